@@ -31,7 +31,9 @@ def apply_weight_norm(module: nn.Module, api: WeightNormAPI) -> nn.Module:
 
 def nearest_upsample(x: torch.Tensor, factor: int) -> torch.Tensor:
     """``nn.Upsample(scale_factor=factor, mode='nearest')`` on ``[B, C, T]``: each step repeated ``factor`` times."""
-    return x.unsqueeze(-1).expand(-1, -1, -1, factor).flatten(2)
+    batch, channels, steps = x.shape
+    # Explicit sizes: with ``expand(-1, ..)`` + ``flatten`` the ONNX optimizer pins the batch axis to 1.
+    return x.unsqueeze(-1).expand(batch, channels, steps, factor).reshape(batch, channels, steps * factor)
 
 
 class CausalConv1d(nn.Conv1d):

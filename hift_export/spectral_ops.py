@@ -93,5 +93,4 @@ class SpectralOps(nn.Module):
         # Sum of squared windows under each sample (torch.istft's normalisation); only the edges differ from 1.5.
         envelope = F.conv_transpose1d(torch.ones_like(real[:1, :1, :]), self.window_sq, stride=self.hop)
         half = self.n_fft // 2
-        y = y[:, 0, half:-half] / envelope[:, 0, half:-half]
-        return y
+        return y[:, 0, half:-half] / envelope[0, 0, half:-half]

@@ -1,0 +1,100 @@
+"""The artifact manifest: written by ``hift_export``, read (and verified) here. NumPy-free, torch-free.
+
+The manifest is the runtime's only source of configuration: hyper-parameters, streaming constants, graph roles,
+input/output signatures and the sha256 of every file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MANIFEST_NAME = "manifest.json"
+FORMAT_VERSION = 1
+METADATA_PREFIX = "hift."
+
+# Roles of the artifacts (keys of manifest["artifacts"]).
+GENERATOR_STREAM = "generator_stream"
+GENERATOR_FINAL = "generator_final"
+F0 = "f0"
+GENERATOR_WEIGHTS = "generator_weights"
+
+
+class ArtifactError(RuntimeError):
+    """An artifacts folder that cannot be used as it is; the message names the file and the fix."""
+
+
+def sha256_file(path: str | os.PathLike[str], chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class Manifest:
+    root: Path
+    data: dict[str, Any]
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return self.data["config"]
+
+    @property
+    def streaming(self) -> dict[str, Any]:
+        return self.data["streaming"]
+
+    def artifact(self, role: str) -> dict[str, Any]:
+        try:
+            return self.data["artifacts"][role]
+        except KeyError:
+            raise ArtifactError(f"{self.root / MANIFEST_NAME} lists no '{role}' artifact; re-export with "
+                                f"hift-export --formats onnx") from None
+
+    def path(self, role: str) -> Path:
+        return self.root / self.artifact(role)["file"]
+
+
+def read_manifest(root: str | os.PathLike[str], verify_hashes: bool = True) -> Manifest:
+    """Read ``root/manifest.json``, check its format version and (by default) the sha256 of every listed file."""
+    root = Path(root)
+    path = root / MANIFEST_NAME
+    if not root.is_dir():
+        raise ArtifactError(f"artifacts folder {str(root)!r} does not exist; run hift-export --out {root} first")
+    if not path.is_file():
+        raise ArtifactError(f"{path} is missing: {root} is not an export folder (run hift-export --out {root})")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ArtifactError(f"{path} is not valid JSON ({exc}); re-export") from exc
+    version = data.get("format_version") if isinstance(data, dict) else None
+    if not isinstance(version, int):
+        raise ArtifactError(f"{path} has no integer format_version; it was not written by hift-export")
+    if version > FORMAT_VERSION:
+        raise ArtifactError(f"{path} has format version {version}, newer than this runtime understands "
+                            f"({FORMAT_VERSION}); upgrade hift-deploy or re-export with this version")
+    if version < FORMAT_VERSION:
+        raise ArtifactError(f"{path} has old format version {version} (this runtime reads {FORMAT_VERSION}); re-export")
+    for key in ("config", "streaming", "artifacts"):
+        if key not in data:
+            raise ArtifactError(f"{path} lacks the '{key}' section; re-export")
+    manifest = Manifest(root, data)
+    if verify_hashes:
+        for role, entry in data["artifacts"].items():
+            file = root / entry["file"]
+            if not file.is_file():
+                raise ArtifactError(f"{file} ({role}) is listed in the manifest but missing; re-export or copy the "
+                                    f"whole folder")
+            if file.stat().st_size != entry["bytes"]:
+                raise ArtifactError(f"{file} ({role}) has {file.stat().st_size} bytes, the manifest says "
+                                    f"{entry['bytes']}: truncated or replaced; re-export")
+            digest = sha256_file(file)
+            if digest != entry["sha256"]:
+                raise ArtifactError(f"{file} ({role}) sha256 {digest[:16]}… does not match the manifest's "
+                                    f"{entry['sha256'][:16]}…: the file was modified or damaged; re-export")
+    return manifest
