@@ -43,6 +43,8 @@ def read_checkpoint(source: str | os.PathLike[str] | Mapping[str, Any]) -> dict[
     if isinstance(source, Mapping):
         obj: Any = source
         name = "the given state dict"
+    elif not isinstance(source, (str, os.PathLike)):
+        obj, name = source, "the given object"
     else:
         name = os.fspath(source)
         if not os.path.isfile(name):

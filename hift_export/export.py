@@ -36,6 +36,12 @@ from .graphs import F0_INPUTS, F0_OUTPUTS, GENERATOR_INPUTS, GENERATOR_OUTPUTS, 
 from .model import DEFAULT_SEED, CheckpointSource, HiFT, load_hift
 
 FORMATS = ("onnx", "torchscript")
+# F0 graph precision: float32 inputs and outputs either way. "fp64" computes inside in float64 like upstream
+# (bit-exact F0 on the fixture); "fp32" uses float32 Conv, ~20 % faster but its rounding depends on the input
+# length (incremental F0 then differs from whole-utterance F0 by ~3e-3 Hz, which the phase integral turns into
+# ~1e-3 of audio, 50 dB). See README "Precision".
+F0_PRECISIONS = {"fp64": torch.float64, "fp32": torch.float32}
+DEFAULT_F0_PRECISION = "fp64"
 MIN_OPSET = 18
 ARTIFACT_FILES = {
     GENERATOR_STREAM: "hift_generator_stream.onnx",
@@ -55,7 +61,7 @@ CUDA_OP_ALLOWLIST = frozenset({
 })
 F0_OP_ALLOWLIST = frozenset({"Abs", "Add", "Conv", "Elu", "Gemm", "MatMul", "Pad", "Squeeze", "Transpose",
                              "Unsqueeze", "Concat", "Slice", "Cast", "Shape", "Reshape", "Identity", "Constant",
-                             "Gather", "Expand", "Mul", "ConstantOfShape"})
+                             "Gather", "Expand", "Mul", "ConstantOfShape", "Exp", "Greater", "Where", "Sub"})
 FORBIDDEN_OPS = frozenset({"STFT", "DFT", "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike",
                            "Multinomial", "Bernoulli"})
 # Self-check tolerances (measured on the fixture checkpoint, CPU EP; see README "Precision"):
@@ -91,7 +97,7 @@ def _example_generator_inputs(config: HiFTConfig, frames: int, batch: int, seed:
     f0 = torch.rand(batch, frames, generator=gen) * 400.0
     f0[:, ::7] = 0.0  # some unvoiced frames
     noise = torch.rand(batch, frames * spf, config.num_sines, generator=gen)
-    phase_in = torch.rand(batch, config.num_sines, generator=gen)
+    phase_in = torch.rand(batch, config.num_sines, generator=gen, dtype=torch.float64) * 50.0
     return mel, f0, noise, phase_in
 
 
@@ -243,7 +249,7 @@ def _tool_versions() -> dict[str, str]:
 
 
 def export_artifacts(checkpoint: CheckpointSource | None = None, out: str | os.PathLike[str] = "artifacts",
-                     formats: Sequence[str] = FORMATS, opset: int = MIN_OPSET, f0_precision: str = "fp32",
+                     formats: Sequence[str] = FORMATS, opset: int = MIN_OPSET, f0_precision: str = DEFAULT_F0_PRECISION,
                      config: HiFTConfig = COSYVOICE3, seed: int = DEFAULT_SEED, window_frames: int | None = None,
                      log: Callable[[str], None] = _log_default) -> ExportResult:
     """Export ``checkpoint`` (``None``: seeded random weights) into ``out``; see the module docstring."""
@@ -253,9 +259,8 @@ def export_artifacts(checkpoint: CheckpointSource | None = None, out: str | os.P
         raise ValueError(f"formats must be a non-empty subset of {FORMATS}, got {list(formats)}")
     if opset < MIN_OPSET:
         raise ValueError(f"opset {opset} is too old: the exporter's op library needs >= {MIN_OPSET}")
-    if f0_precision != "fp32":
-        raise ValueError(f"F0 graph precision {f0_precision!r} is not supported: ONNX Runtime has no float64 Conv; "
-                         f"use fp32 (float64 F0 is available in eager PyTorch via load_hift(f0_dtype=float64))")
+    if f0_precision not in F0_PRECISIONS:
+        raise ValueError(f"F0 graph precision {f0_precision!r} is not one of {tuple(F0_PRECISIONS)}")
     if window_frames is not None:
         import dataclasses
         config = dataclasses.replace(config, window_frames=window_frames)
@@ -272,7 +277,9 @@ def export_artifacts(checkpoint: CheckpointSource | None = None, out: str | os.P
         if isinstance(checkpoint, (str, os.PathLike)) and os.path.isfile(checkpoint):
             weights_info["sha256"] = sha256_file(checkpoint)
     # A fresh instance, loaded once, folded once (on the CPU: the ONNX graphs carry CPU-folded FP32 weights).
-    hift = load_hift(checkpoint, config=config, spectral="conv", seed=seed)
+    hift = load_hift(checkpoint, config=config, spectral="conv", seed=seed, f0_dtype=F0_PRECISIONS[f0_precision])
+    if f0_precision == "fp64":
+        hift.f0_predictor.impl = "matmul"  # ORT has no float64 Conv/Elu kernels; MatMul/Exp/Where it has
     log(f"[fold] {hift.fold_report}")
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -341,7 +348,7 @@ def _graph_dims(config: HiFTConfig) -> tuple[Any, Any, Any]:
     return batch, stream_frames, final_frames
 
 
-def _export_onnx_artifacts(hift: HiFT, staging: Path, opset: int, streaming: dict[str, Any],
+def _export_onnx_artifacts(hift: HiFT, staging: Path, opset: int, streaming: dict[str, Any], f0_precision: str,
                            log: Callable[[str], None]) -> dict[str, dict[str, Any]]:
     import onnx
 
@@ -367,7 +374,7 @@ def _export_onnx_artifacts(hift: HiFT, staging: Path, opset: int, streaming: dic
     f0_model = _export_onnx(F0Graph(hift.f0_predictor), (mel,), F0_INPUTS, F0_OUTPUTS,
                             {"mel": {0: batch, 2: f0_frames}}, opset)
     _check_ops(f0_model, F0_OP_ALLOWLIST, "f0")
-    _set_metadata(f0_model, F0, config, {"finalize": False, "streaming": streaming,
+    _set_metadata(f0_model, F0, config, {"finalize": False, "streaming": streaming, "precision": f0_precision,
                                          "execution_provider": "CPUExecutionProvider"})
     log(f"[onnx] f0: traced {len(f0_model.graph.node)} nodes in {time.perf_counter() - t0:.1f} s")
 
@@ -381,7 +388,8 @@ def _export_onnx_artifacts(hift: HiFT, staging: Path, opset: int, streaming: dic
         path = staging / ARTIFACT_FILES[role]
         onnx.checker.check_model(str(path))
         entries[role] = {
-            "file": path.name, "format": "onnx", "execution_provider": provider, "precision": "fp32",
+            "file": path.name, "format": "onnx", "execution_provider": provider,
+            "precision": f0_precision if role == F0 else "fp32", "io_dtype": "float32",
             "finalize": role == GENERATOR_FINAL, "inputs": _value_info(model.graph.input),
             "outputs": _value_info(model.graph.output), "nodes": len(model.graph.node), "op_types": op_types(model),
         }

@@ -9,6 +9,7 @@ with 3 zero frames appended; the F0 graph therefore only needs the streaming for
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .config import COSYVOICE3, HiFTConfig
@@ -29,13 +30,36 @@ class CausalF0Predictor(nn.Module):
         self.condnet = nn.Sequential(*layers)
         self.classifier = nn.Linear(c.f0_cond_channels, 1)
 
+        # "torch": nn.Conv1d + nn.ELU. "matmul": the same convolutions as shifted-slice concatenation + MatMul and
+        # ELU as Where(x > 0, x, exp(x) - 1), which ONNX Runtime runs in float64 on the CPU (it has no float64 Conv
+        # or Elu kernel). Equal to "torch" within 1e-11 Hz in float64.
+        self.impl = "torch"
+
     def forward(self, mel: torch.Tensor, finalize: bool = False) -> torch.Tensor:
         """``mel [B, 80, T]`` -> F0 in Hz ``[B, T]`` (finalize) or ``[B, T-3]`` (the last 3 frames are look-ahead).
 
         The output has the dtype of the module's parameters (upstream runs it in float64).
         """
         x = mel.to(self.classifier.weight.dtype)
-        x = self.condnet[0](x, pad_right=finalize)
-        for layer in self.condnet[1:]:
-            x = layer(x)
+        for i, layer in enumerate(self.condnet):
+            if self.impl == "torch":
+                x = layer(x, pad_right=finalize) if i == 0 else layer(x)
+            elif isinstance(layer, CausalConv1d):
+                x = _conv_as_matmul(layer, x, pad_right=finalize if i == 0 else True)
+            else:  # ELU(alpha=1)
+                x = torch.where(x > 0, x, torch.exp(x) - 1)
         return torch.abs(self.classifier(x.transpose(1, 2)).squeeze(-1))
+
+
+def _conv_as_matmul(conv: CausalConv1d, x: torch.Tensor, pad_right: bool) -> torch.Tensor:
+    """``conv(x)`` computed as ``W[Co, K*Ci] @ stack_k(x[:, :, k:k+T])`` (same padding semantics as ``conv``)."""
+    pad = conv.causal_padding
+    if conv.causal_type == "left":
+        x = F.pad(x, (pad, 0))
+    elif pad_right:
+        x = F.pad(x, (0, pad))
+    k = conv.kernel_size[0]
+    steps = x.shape[2] - (k - 1) * conv.dilation[0]
+    taps = [x[:, :, j * conv.dilation[0]: j * conv.dilation[0] + steps] for j in range(k)]
+    weight = conv.weight.permute(0, 2, 1).reshape(conv.out_channels, k * conv.in_channels)
+    return torch.matmul(weight, torch.cat(taps, dim=1)) + conv.bias.unsqueeze(-1)

@@ -68,8 +68,8 @@ class CausalHiFTGenerator(nn.Module):
 
     def decode(self, mel: torch.Tensor, f0: torch.Tensor, noise: torch.Tensor, phase_in: torch.Tensor,
                finalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """``mel [B,80,N]``, ``f0 [B,N]``, ``noise [B,480N,9]``, ``phase_in [B,9]`` ->
-        ``audio [B, 480N or 480(N-5)]``, wrapped cumulative phase ``[B, N, 9]``."""
+        """``mel [B,80,N]``, ``f0 [B,N]``, ``noise [B,480N,9]``, ``phase_in [B,9]`` (float64, turns) ->
+        ``audio [B, 480N or 480(N-5)]``, cumulative phase ``[B, N, 9]`` (float64, turns)."""
         c = self.config
         source, phase = self.m_source(f0, noise, phase_in)
         s_stft = self.spectral.stft(source)

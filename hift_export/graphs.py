@@ -19,7 +19,7 @@ F0_OUTPUTS = ("f0",)
 
 
 class GeneratorGraph(nn.Module):
-    """``(mel [B,80,N], f0 [B,N], noise [B,480N,9], phase_in [B,9]) -> (audio, phase_out [B,N,9])``.
+    """``(mel [B,80,N], f0 [B,N], noise [B,480N,9], phase_in [B,9] f64) -> (audio, phase_out [B,N,9] f64)``.
 
     ``finalize=False`` (stream): the last 4 frames are ``conv_pre`` look-ahead, audio is ``480(N-5)`` samples.
     ``finalize=True`` (final): zero look-ahead, audio is ``480N`` samples.

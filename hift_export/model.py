@@ -68,7 +68,7 @@ class HiFT:
             raise ValueError(f"noise table has {table.shape[0]} rows, the pass needs {samples}")
         batch = mel.shape[0]
         noise_slice = table[:samples].to(self.device).unsqueeze(0).expand(batch, -1, -1)
-        phase_in = torch.zeros(batch, self.config.num_sines, device=self.device)
+        phase_in = torch.zeros(batch, self.config.num_sines, dtype=torch.float64, device=self.device)
         audio, _ = self.generator.decode(mel.to(self.device), f0, noise_slice, phase_in, finalize=finalize)
         return audio, f0
 
@@ -131,4 +131,5 @@ def load_hift(checkpoint: CheckpointSource | None = None, *, config: HiFTConfig 
                 f"that does not match the CosyVoice3 layout")
     else:
         generator = generator.to(device)
-    return HiFT(generator.eval(), f0.eval(), config, report)
+    # An inference model: every parameter frozen (inputs can still take gradients).
+    return HiFT(generator.eval().requires_grad_(False), f0.eval().requires_grad_(False), config, report)

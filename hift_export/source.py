@@ -3,7 +3,9 @@
 Upstream draws a fixed uniform noise table at construction (not in ``hift.pt``) and integrates the phase from
 sample 0 of every call. Here randomness and phase are inputs, so a bounded streaming window reproduces one offline
 pass: ``noise`` is the slice of the table for the samples being generated, and ``phase_in`` is the carried cumulative
-phase (per harmonic, wrapped into [0, 1)) at the frame before the first frame.
+phase (per harmonic, in turns, float64) at the frame before the first frame. Carried unwrapped, a window reproduces
+upstream's float32 rounding of the running sum exactly; wrapped into [0, 1) (``sin(2*pi*480*x)`` has period 1/480,
+so dropping whole turns is exact in real arithmetic), it is more accurate than upstream on long utterances.
 
 What upstream computes, restated at frame rate (spec §3.2): the 1/480 linear down-sampling reads two samples of the
 same frame with weight 0.5 each, and the phase is nearest-upsampled, so the sine of harmonic h is constant over a
@@ -25,8 +27,8 @@ from .layers import nearest_upsample
 class HarmonicSource(nn.Module):
     """Sine + noise excitation merged to one channel by ``tanh(Linear(9 -> 1))``.
 
-    ``forward(f0 [B,T], noise [B, T*spf, 9], phase_in [B, 9])`` returns ``source [B, 1, T*spf]`` and the wrapped
-    cumulative phase per frame ``[B, T, 9]`` (what a caller carries into the next window).
+    ``forward(f0 [B,T], noise [B, T*spf, 9], phase_in [B, 9] float64)`` returns ``source [B, 1, T*spf]`` and the
+    cumulative phase per frame ``[B, T, 9]`` in float64, in turns (what a caller carries into the next window).
     """
 
     def __init__(self, config: HiFTConfig) -> None:
@@ -44,8 +46,10 @@ class HarmonicSource(nn.Module):
         rad = rad - torch.floor(rad)  # torch.remainder(rad, 1), exact for rad >= 0 (F0 is |.|)
         # Upstream's CPU cumsum accumulates in float64 and rounds each prefix to float32. Doing the same explicitly
         # keeps exported graphs exact: a float32 CumSum (ONNX Runtime) drifts by ulps of ~56, which 2*pi*480 amplifies.
-        cum = torch.cumsum(rad.double(), dim=1) + phase_in.double().unsqueeze(1)
-        phase_out = (cum - torch.floor(cum)).float()
+        # The carried phase enters as the first term of the same sequential float64 sum, so a window that starts
+        # from the carried (unwrapped) sum adds in exactly the order of one pass from frame 0.
+        terms = torch.cat([phase_in.to(torch.float64).unsqueeze(1), rad.to(torch.float64)], dim=1)
+        cum = torch.cumsum(terms, dim=1)[:, 1:]
         phase = cum.float() * 2 * math.pi * self.samples_per_frame  # float32 ops, in upstream's order
         voiced = (f0 > self.voiced_threshold).float().unsqueeze(-1)  # [B, T, 1]
         sine_waves = torch.sin(phase) * self.sine_amp * voiced
@@ -55,4 +59,4 @@ class HarmonicSource(nn.Module):
         noise_amp = nearest_upsample(noise_amp.transpose(1, 2), self.samples_per_frame)  # [B, 1, L]
         excitation = sine_waves + noise_amp * noise.transpose(1, 2)
         source = torch.tanh(self.l_linear(excitation.transpose(1, 2)))  # [B, L, 1]
-        return source.transpose(1, 2), phase_out
+        return source.transpose(1, 2), cum

@@ -1,0 +1,93 @@
+"""The source's fixed noise, read by absolute sample position.
+
+Upstream draws ``sine_waves = torch.rand(1, 300*24000, 9)`` once when the vocoder is built (259 MB, not saved in
+``hift.pt``) and reads row ``n`` for output sample ``n``; a stream longer than the table fails upstream. Here a
+:class:`NoiseTable` hands out the rows a window needs, wrapping at the table length so long streams keep going.
+
+Two sources:
+
+* :meth:`NoiseTable.seeded`: uniform [0, 1) values from a counter-based hash of (seed, row, column). Any slice is
+  computed on demand, so memory is proportional to the window, never to the 259 MB table.
+* :meth:`NoiseTable.from_npy`: a table dumped from a live upstream process
+  (``model.hift.m_source.l_sin_gen.sine_waves.numpy()``), shape ``(N, 9)`` or ``(1, N, 9)``, memory-mapped.
+  With it, the runtime reproduces upstream's noise exactly.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64 finaliser on a uint64 array (wrapping arithmetic is intended)."""
+    with np.errstate(over="ignore"):
+        z = x + _GOLDEN
+        z = (z ^ (z >> np.uint64(30))) * _MIX1
+        z = (z ^ (z >> np.uint64(27))) * _MIX2
+        return z ^ (z >> np.uint64(31))
+
+
+class NoiseTable:
+    """Rows of uniform noise ``[length, columns]`` by absolute position, wrapping at ``length``."""
+
+    def __init__(self, length: int, columns: int, *, seed: int | None = None, table: np.ndarray | None = None,
+                 source: str = "") -> None:
+        if (seed is None) == (table is None):
+            raise ValueError("give exactly one of seed= or table=")
+        if length <= 0:
+            raise ValueError(f"noise table length must be positive, got {length}")
+        self.length, self.columns, self.seed, self._table, self.source = length, columns, seed, table, source
+
+    @classmethod
+    def seeded(cls, seed: int, length: int, columns: int) -> "NoiseTable":
+        if seed < 0:
+            raise ValueError(f"noise seed must be >= 0, got {seed}")
+        return cls(length, columns, seed=seed, source=f"seeded({seed})")
+
+    @classmethod
+    def from_npy(cls, path: str | os.PathLike[str], columns: int) -> "NoiseTable":
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"noise table {path} does not exist")
+        try:
+            table = np.load(path, mmap_mode="r")
+        except ValueError as exc:
+            raise ValueError(f"noise table {path} is not a plain .npy array ({exc})") from exc
+        if table.ndim == 3 and table.shape[0] == 1:
+            table = table[0]
+        if table.ndim != 2 or table.shape[1] != columns:
+            raise ValueError(f"noise table {path} has shape {table.shape}; expected (N, {columns}) or (1, N, {columns})"
+                             f" (upstream m_source.l_sin_gen.sine_waves)")
+        if not np.issubdtype(table.dtype, np.floating):
+            raise ValueError(f"noise table {path} has dtype {table.dtype}; expected float32")
+        if table.shape[0] == 0:
+            raise ValueError(f"noise table {path} has no rows")
+        return cls(table.shape[0], columns, table=table, source=str(path))
+
+    def rows(self, start: int, count: int) -> np.ndarray:
+        """Rows ``start .. start+count-1`` (modulo the length) as a new float32 ``[count, columns]`` array."""
+        if count <= 0:
+            return np.zeros((0, self.columns), np.float32)
+        first = start % self.length
+        if self._table is not None:
+            if first + count <= self.length:
+                return np.array(self._table[first:first + count], dtype=np.float32)
+            index = (first + np.arange(count, dtype=np.int64)) % self.length
+            return np.asarray(self._table[index], dtype=np.float32)
+        index = (first + np.arange(count, dtype=np.uint64)) % np.uint64(self.length)
+        cells = index[:, None] * np.uint64(self.columns) + np.arange(self.columns, dtype=np.uint64)[None, :]
+        key = np.uint64(self.seed) * _GOLDEN
+        with np.errstate(over="ignore"):
+            bits = _splitmix64(cells + key)
+        # Top 24 bits -> exactly representable float32 in [0, 1).
+        return ((bits >> np.uint64(40)).astype(np.float32) * np.float32(1.0 / (1 << 24)))
+
+    def __repr__(self) -> str:
+        return f"NoiseTable({self.source}, length={self.length}, columns={self.columns})"

@@ -1,0 +1,137 @@
+"""ONNX Runtime sessions for an artifacts folder: the F0 graph on the CPU EP, the generator on the CUDA EP when
+usable (else the CPU EP, said in one log line). Every constant comes from the manifest."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import onnxruntime as ort
+
+from .manifest import (F0, GENERATOR_FINAL, GENERATOR_STREAM, METADATA_PREFIX, ArtifactError, Manifest,
+                       read_manifest)
+from .noise import NoiseTable
+from .streaming import StreamConstants, StreamingVocoder
+
+log = logging.getLogger("hift_runtime")
+Device = Literal["auto", "cuda", "cpu"]
+CUDA = "CUDAExecutionProvider"
+CPU = "CPUExecutionProvider"
+
+
+@dataclass(frozen=True)
+class CudaOptions:
+    """CUDA EP settings. TF32 is off by default (parity); HEURISTIC avoids re-benchmarking every new shape."""
+
+    device_id: int = 0
+    use_tf32: bool = False
+    cudnn_conv_algo_search: str = "HEURISTIC"
+
+    def provider_options(self) -> dict[str, str]:
+        return {"device_id": str(self.device_id), "use_tf32": "1" if self.use_tf32 else "0",
+                "cudnn_conv_algo_search": self.cudnn_conv_algo_search}
+
+
+def _check_signature(session: ort.InferenceSession, entry: dict[str, Any], path: os.PathLike[str] | str) -> None:
+    def sig(values: Any) -> list[tuple[str, str]]:
+        return [(v.name, v.type) for v in values]
+
+    want_in = [(v["name"], f"tensor({v['dtype'].replace('float32', 'float').replace('float64', 'double')})")
+               for v in entry["inputs"]]
+    want_out = [(v["name"], f"tensor({v['dtype'].replace('float32', 'float').replace('float64', 'double')})")
+                for v in entry["outputs"]]
+    got_in, got_out = sig(session.get_inputs()), sig(session.get_outputs())
+    if got_in != want_in or got_out != want_out:
+        raise ArtifactError(f"{path}: graph signature inputs {got_in} -> outputs {got_out} differs from the "
+                            f"manifest's {want_in} -> {want_out}; the file does not belong to this manifest")
+
+
+def _check_metadata(session: ort.InferenceSession, manifest: Manifest, path: Any) -> None:
+    meta = session.get_modelmeta().custom_metadata_map
+    raw = meta.get(METADATA_PREFIX + "config")
+    if raw is None:
+        raise ArtifactError(f"{path} carries no {METADATA_PREFIX}config metadata: not written by hift-export")
+    if json.loads(raw) != manifest.config:
+        raise ArtifactError(f"{path}: the config in the graph's metadata differs from manifest.json; the folder mixes "
+                            f"files of two exports; re-export")
+
+
+class OrtBackend:
+    """The product backend: ``predict_f0`` on the CPU EP, ``generate`` on the CUDA EP (or CPU)."""
+
+    def __init__(self, manifest: Manifest, device: Device = "auto", cuda: CudaOptions | None = None,
+                 intra_op_threads: int = 0) -> None:
+        self.manifest = manifest
+        f0_entry = manifest.artifact(F0)
+        if any(v["dtype"] != "float32" for v in f0_entry["inputs"] + f0_entry["outputs"]):
+            raise ArtifactError(f"{manifest.path(F0)}: the F0 graph must take and return float32 (the manifest lists "
+                                f"{[(v['name'], v['dtype']) for v in f0_entry['inputs'] + f0_entry['outputs']]}); "
+                                f"re-export with hift-export")
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if intra_op_threads:
+            opts.intra_op_num_threads = intra_op_threads
+        self.f0_session = self._session(F0, opts, [CPU])
+        providers: list[Any] = [CPU]
+        reason = "device='cpu' requested"
+        if device in ("auto", "cuda"):
+            if CUDA in ort.get_available_providers():
+                providers = [(CUDA, (cuda or CudaOptions()).provider_options()), CPU]
+                reason = ""
+            else:
+                reason = f"this onnxruntime build has no CUDA EP (available: {ort.get_available_providers()})"
+                if device == "cuda":
+                    raise ArtifactError(f"device='cuda' requested but {reason}; install onnxruntime-gpu "
+                                        f"(and not onnxruntime beside it)")
+        self.generator_sessions = {False: self._session(GENERATOR_STREAM, opts, providers),
+                                   True: self._session(GENERATOR_FINAL, opts, providers)}
+        active = self.generator_sessions[False].get_providers()[0]
+        if providers[0] != CPU and active != CUDA:
+            reason = "CUDA EP could not start (no GPU or driver/CUDA libraries missing); see ONNX Runtime's log"
+            if device == "cuda":
+                raise ArtifactError(f"device='cuda' requested but the {reason}")
+        self.generator_provider = active
+        self.name = f"ort[{'cuda' if active == CUDA else 'cpu'}]"
+        log.info("hift_runtime: generator on %s%s; F0 on %s", active, f" ({reason})" if reason else "", CPU)
+
+    def _session(self, role: str, opts: ort.SessionOptions, providers: list[Any]) -> ort.InferenceSession:
+        path = self.manifest.path(role)
+        try:
+            session = ort.InferenceSession(str(path), opts, providers=providers)
+        except Exception as exc:  # ORT raises its own exception types for unreadable or invalid models
+            raise ArtifactError(f"{path}: ONNX Runtime cannot load it ({str(exc).splitlines()[0][:300]})") from exc
+        _check_signature(session, self.manifest.artifact(role), path)
+        _check_metadata(session, self.manifest, path)
+        return session
+
+    def predict_f0(self, mel: np.ndarray) -> np.ndarray:
+        return self.f0_session.run(None, {"mel": mel})[0]
+
+    def generate(self, mel: np.ndarray, f0: np.ndarray, noise: np.ndarray, phase_in: np.ndarray,
+                 finalize: bool) -> tuple[np.ndarray, np.ndarray]:
+        audio, phase = self.generator_sessions[finalize].run(
+            None, {"mel": mel, "f0": f0, "noise": noise, "phase_in": phase_in})
+        return audio, phase
+
+
+def open_vocoder(artifacts: str | os.PathLike[str], *, device: Device = "auto", window_frames: int | None = None,
+                 noise_table: str | os.PathLike[str] | None = None, noise_seed: int = 0,
+                 cuda: CudaOptions | None = None, verify_hashes: bool = True,
+                 intra_op_threads: int = 0, phase: str = "upstream") -> StreamingVocoder:
+    """Open an export folder: verify it, create the sessions once, return a :class:`StreamingVocoder`.
+
+    Streams created from it share the sessions; each has its own small state.
+    """
+    manifest = read_manifest(artifacts, verify_hashes=verify_hashes)
+    backend = OrtBackend(manifest, device=device, cuda=cuda, intra_op_threads=intra_op_threads)
+    constants = StreamConstants.from_config(manifest.config,
+                                            window_frames if window_frames is not None
+                                            else manifest.streaming["window_frames"])
+    noise = (NoiseTable.from_npy(noise_table, constants.num_sines) if noise_table is not None
+             else NoiseTable.seeded(noise_seed, constants.noise_table_length, constants.num_sines))
+    return StreamingVocoder(backend, constants, noise, phase=phase)

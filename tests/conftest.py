@@ -1,0 +1,94 @@
+"""Shared fixtures. Exports run once per session: the fixture checkpoint at full size (what users ship) and a
+reduced-width config (same algorithm, 8x fewer channels) for properties that do not need the 20 M-parameter model."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT.parent / "shared" / "fixtures"
+SPEC = ROOT.parent / "shared" / "spec"
+CHECKPOINT = FIXTURES / "cv3_hift_random.pt"
+REFERENCE = FIXTURES / "cv3_reference.npz"
+
+needs_fixtures = pytest.mark.skipif(
+    not (CHECKPOINT.is_file() and REFERENCE.is_file()),
+    reason=f"upstream fixtures not found at {FIXTURES} (they live in ../shared/fixtures beside the checkout)")
+
+
+def snr_db(estimate: np.ndarray, reference: np.ndarray) -> float:
+    ref = reference.astype(np.float64)
+    err = estimate.astype(np.float64) - ref
+    return float(10 * np.log10(np.sum(ref ** 2) / max(np.sum(err ** 2), 1e-300)))
+
+
+def max_abs(a: np.ndarray, b: np.ndarray) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))) if a.size else 0.0
+
+
+def quiet(msg: str) -> None:
+    logging.getLogger("tests.export").info(msg)
+
+
+@pytest.fixture(scope="session")
+def reference() -> dict[str, np.ndarray]:
+    if not REFERENCE.is_file():
+        pytest.skip(f"{REFERENCE} not found")
+    with np.load(REFERENCE) as data:
+        return {k: data[k] for k in data.files}
+
+
+@pytest.fixture(scope="session")
+def reduced_config():
+    from hift_export.config import COSYVOICE3
+
+    return COSYVOICE3.reduced()
+
+
+@pytest.fixture(scope="session")
+def small_artifacts(tmp_path_factory, reduced_config):
+    """Seeded random weights, reduced width: ONNX + TorchScript + manifest."""
+    from hift_export.export import export_artifacts
+
+    out = tmp_path_factory.mktemp("small") / "artifacts"
+    result = export_artifacts(None, out, config=reduced_config, log=quiet)
+    return result
+
+
+@pytest.fixture(scope="session")
+def small_hift(reduced_config):
+    from hift_export import load_hift
+
+    return load_hift(None, config=reduced_config)
+
+
+@pytest.fixture(scope="session")
+def full_artifacts(tmp_path_factory):
+    """The fixture checkpoint exported at full size (ONNX + TorchScript)."""
+    if not CHECKPOINT.is_file():
+        pytest.skip(f"{CHECKPOINT} not found")
+    from hift_export.export import export_artifacts
+
+    out = tmp_path_factory.mktemp("full") / "artifacts"
+    return export_artifacts(str(CHECKPOINT), out, log=quiet)
+
+
+@pytest.fixture(scope="session")
+def fixture_hift():
+    if not CHECKPOINT.is_file():
+        pytest.skip(f"{CHECKPOINT} not found")
+    from hift_export import load_hift
+
+    return load_hift(str(CHECKPOINT))
+
+
+@pytest.fixture(scope="session")
+def fixture_noise_npy(tmp_path_factory, reference):
+    path = tmp_path_factory.mktemp("noise") / "fixture_noise.npy"
+    np.save(path, reference["noise"])
+    return path
