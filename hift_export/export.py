@@ -301,7 +301,7 @@ def export_artifacts(checkpoint: CheckpointSource | None = None, out: str | os.P
             "f0_final": "f0 graph on mel with f0_look_ahead zero frames appended",
         }
         if "onnx" in formats:
-            artifacts.update(_export_onnx_artifacts(hift, staging, opset, streaming, log))
+            artifacts.update(_export_onnx_artifacts(hift, staging, opset, streaming, f0_precision, log))
             figures["onnx_cpu"] = _self_check_onnx(hift, staging, log)
         if "torchscript" in formats:
             artifacts.update(_export_torchscript(hift, staging, log))

@@ -1,0 +1,179 @@
+"""Parity of the ORT runtime against eager PyTorch, through the same streaming bookkeeping.
+
+Two comparisons per chunk:
+
+* **stage by stage**: every backend call the ORT stream makes is replayed on eager PyTorch with identical inputs
+  (same mel window, same F0, same noise, same carried phase): F0 relative to max |F0|, generator audio max abs;
+* **end to end**: an independent eager stream (its own F0, its own carried phase): max abs and SNR per chunk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from hift_runtime.manifest import Manifest, sha256_file
+from hift_runtime.streaming import StreamingVocoder, VocoderBackend
+
+from .backend import TorchBackend, torch_vocoder
+from .config import HiFTConfig
+from .export import F0_PRECISIONS
+from .model import load_hift
+
+# Tolerances (issue 4): stage F0 within 1e-5 of max |F0|, stage audio 1e-5 max abs, end to end >= 60 dB.
+STAGE_F0_RELATIVE = 1e-5
+STAGE_AUDIO = 1e-5
+END_TO_END_SNR_DB = 60.0
+
+
+def snr_db(estimate: np.ndarray, reference: np.ndarray) -> float:
+    ref = reference.astype(np.float64)
+    err = estimate.astype(np.float64) - ref
+    signal = float(np.sum(ref ** 2))
+    if signal == 0.0:
+        return float("inf") if not np.any(err) else float("-inf")
+    return float(10 * np.log10(signal / max(float(np.sum(err ** 2)), 1e-300)))
+
+
+def max_abs(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))) if a.size else 0.0
+
+
+class ReplayingBackend:
+    """Runs ``primary`` and replays each call on ``reference`` with the same inputs, recording the differences."""
+
+    def __init__(self, primary: VocoderBackend, reference: VocoderBackend) -> None:
+        self.primary, self.reference = primary, reference
+        self.name = f"{primary.name}+replay({reference.name})"
+        self.f0_relative: list[float] = []
+        self.audio_max_abs: list[float] = []
+
+    def predict_f0(self, mel: np.ndarray) -> np.ndarray:
+        out = self.primary.predict_f0(mel)
+        ref = self.reference.predict_f0(mel)
+        self.f0_relative.append(max_abs(out, ref) / max(float(np.max(np.abs(ref))) if ref.size else 0.0, 1e-6))
+        return out
+
+    def generate(self, mel: np.ndarray, f0: np.ndarray, noise: np.ndarray, phase_in: np.ndarray,
+                 finalize: bool) -> tuple[np.ndarray, np.ndarray]:
+        audio, phase = self.primary.generate(mel, f0, noise, phase_in, finalize)
+        ref_audio, _ = self.reference.generate(mel, f0, noise, phase_in, finalize)
+        self.audio_max_abs.append(max_abs(audio, ref_audio))
+        return audio, phase
+
+
+@dataclass
+class ChunkParity:
+    index: int
+    frames: int
+    samples: int
+    max_abs: float
+    snr_db: float
+
+
+@dataclass
+class ParityReport:
+    backend: str
+    reference: str
+    frames: int
+    schedule: list[int]
+    chunks: list[ChunkParity] = field(default_factory=list)
+    stage_f0_relative_max: float = 0.0
+    stage_audio_max_abs: float = 0.0
+    end_to_end_max_abs: float = 0.0
+    end_to_end_snr_db: float = 0.0
+    tolerances: dict[str, float] = field(default_factory=lambda: {
+        "stage_f0_relative": STAGE_F0_RELATIVE, "stage_audio_max_abs": STAGE_AUDIO,
+        "end_to_end_snr_db": END_TO_END_SNR_DB})
+    passed: bool = False
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+
+def reference_backend(manifest: Manifest, checkpoint: str | os.PathLike[str] | None = None,
+                      device: str = "cpu") -> TorchBackend:
+    """Eager model of the weights the manifest was exported from (checked by sha256), F0 in the graph's precision."""
+    weights = manifest.data["weights"]
+    config = HiFTConfig.from_dict(manifest.config)
+    f0_dtype = F0_PRECISIONS[manifest.data.get("f0_precision", "fp32")]
+    if weights["source"] == "seeded-random" and checkpoint is None:
+        hift = load_hift(None, config=config, seed=int(weights["seed"]), f0_dtype=f0_dtype, device=device)
+    else:
+        path = checkpoint if checkpoint is not None else weights.get("path")
+        if path is None or not Path(path).is_file():
+            raise FileNotFoundError(f"the reference needs the checkpoint the artifacts came from ({path!r}); pass "
+                                    f"--checkpoint PATH")
+        if "sha256" in weights and sha256_file(path) != weights["sha256"]:
+            raise ValueError(f"checkpoint {path} is not the one these artifacts were exported from (sha256 differs)")
+        hift = load_hift(str(path), config=config, f0_dtype=f0_dtype, device=device)
+    return TorchBackend(hift)
+
+
+def run_parity(vocoder: StreamingVocoder, reference: TorchBackend, mel: np.ndarray,
+               schedule: Sequence[int]) -> tuple[ParityReport, np.ndarray, np.ndarray]:
+    """Stream ``mel`` with ``schedule`` through ``vocoder`` (replayed on ``reference``) and through an independent
+    eager stream; return the report and both waveforms."""
+    replay = ReplayingBackend(vocoder.backend, reference)
+    primary = StreamingVocoder(replay, vocoder.constants, vocoder.noise, phase=vocoder.phase_mode)
+    eager = torch_vocoder(reference.hift, noise=vocoder.noise, window_frames=vocoder.constants.window_frames,
+                          phase=vocoder.phase_mode)
+    streams = primary.stream(), eager.stream()
+    report = ParityReport(backend=vocoder.backend.name, reference=reference.name, frames=int(mel.shape[-1]),
+                          schedule=list(schedule))
+    outs: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])
+    pos = 0
+    chunks = list(schedule) + [None]  # None: finish()
+    for i, size in enumerate(chunks):
+        pieces = []
+        for stream, out in zip(streams, outs):
+            piece = stream.finish() if size is None else stream.push(mel[..., pos:pos + size])
+            out.append(piece)
+            pieces.append(piece)
+        if size is not None:
+            pos += size
+        report.chunks.append(ChunkParity(i, 0 if size is None else size, int(pieces[0].shape[0]),
+                                         max_abs(pieces[0], pieces[1]), snr_db(pieces[0], pieces[1])))
+    a, b = np.concatenate(outs[0]), np.concatenate(outs[1])
+    report.stage_f0_relative_max = max(replay.f0_relative, default=0.0)
+    report.stage_audio_max_abs = max(replay.audio_max_abs, default=0.0)
+    report.end_to_end_max_abs = max_abs(a, b)
+    report.end_to_end_snr_db = snr_db(a, b)
+    report.passed = (report.stage_f0_relative_max <= STAGE_F0_RELATIVE and report.stage_audio_max_abs <= STAGE_AUDIO
+                     and report.end_to_end_snr_db >= END_TO_END_SNR_DB)
+    return report, a, b
+
+
+def plot_parity(report: ParityReport, ours: np.ndarray, reference: np.ndarray, path: str | os.PathLike[str],
+                sample_rate: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(3, 1, figsize=(11, 8), constrained_layout=True)
+    t = np.arange(ours.shape[0]) / sample_rate
+    axes[0].plot(t, reference, lw=0.6, label=report.reference)
+    axes[0].plot(t, ours, lw=0.6, alpha=0.7, label=report.backend)
+    axes[0].set_title("waveforms")
+    axes[0].legend(loc="upper right")
+    axes[1].plot(t, ours.astype(np.float64) - reference, lw=0.6, color="C3")
+    axes[1].set_title(f"difference (max abs {report.end_to_end_max_abs:.2e}, SNR {report.end_to_end_snr_db:.1f} dB)")
+    axes[1].set_xlabel("seconds")
+    idx = [c.index for c in report.chunks]
+    axes[2].bar(idx, [max(c.max_abs, 1e-12) for c in report.chunks], color="C2")
+    axes[2].set_yscale("log")
+    axes[2].set_title("per-chunk max abs difference (last bar: finish)")
+    axes[2].set_xlabel("chunk")
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def as_dict(report: ParityReport) -> dict[str, Any]:
+    return asdict(report)
