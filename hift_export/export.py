@@ -361,7 +361,7 @@ def _export_onnx_artifacts(hift: HiFT, staging: Path, opset: int, streaming: dic
         args = _example_generator_inputs(config, 24, 2)
         dyn = {"mel": {0: batch, 2: frames}, "f0": {0: batch, 1: frames}, "noise": {0: batch, 1: spf * frames},
                "phase_in": {0: batch}}
-        model = _export_onnx(GeneratorGraph(hift.generator, finalize), args, GENERATOR_INPUTS, GENERATOR_OUTPUTS,
+        model = _export_onnx(GeneratorGraph(hift.generator, finalize).eval(), args, GENERATOR_INPUTS, GENERATOR_OUTPUTS,
                              dyn, opset)
         _check_ops(model, CUDA_OP_ALLOWLIST, role)
         _set_metadata(model, role, config, {"finalize": finalize, "streaming": streaming,
@@ -371,7 +371,7 @@ def _export_onnx_artifacts(hift: HiFT, staging: Path, opset: int, streaming: dic
     t0 = time.perf_counter()
     f0_frames = torch.export.Dim("frames", min=config.f0_look_ahead + 1, max=_MAX_FRAMES)
     mel = _example_generator_inputs(config, 24, 2)[0]
-    f0_model = _export_onnx(F0Graph(hift.f0_predictor), (mel,), F0_INPUTS, F0_OUTPUTS,
+    f0_model = _export_onnx(F0Graph(hift.f0_predictor).eval(), (mel,), F0_INPUTS, F0_OUTPUTS,
                             {"mel": {0: batch, 2: f0_frames}}, opset)
     _check_ops(f0_model, F0_OP_ALLOWLIST, "f0")
     _set_metadata(f0_model, F0, config, {"finalize": False, "streaming": streaming, "precision": f0_precision,

@@ -96,6 +96,7 @@ class OrtBackend:
             if device == "cuda":
                 raise ArtifactError(f"device='cuda' requested but the {reason}")
         self.generator_provider = active
+        self.device_id = (cuda or CudaOptions()).device_id
         self.name = f"ort[{'cuda' if active == CUDA else 'cpu'}]"
         log.info("hift_runtime: generator on %s%s; F0 on %s", active, f" ({reason})" if reason else "", CPU)
 
@@ -114,8 +115,19 @@ class OrtBackend:
 
     def generate(self, mel: np.ndarray, f0: np.ndarray, noise: np.ndarray, phase_in: np.ndarray,
                  finalize: bool) -> tuple[np.ndarray, np.ndarray]:
-        audio, phase = self.generator_sessions[finalize].run(
-            None, {"mel": mel, "f0": f0, "noise": noise, "phase_in": phase_in})
+        session = self.generator_sessions[finalize]
+        feed = {"mel": mel, "f0": f0, "noise": noise, "phase_in": phase_in}
+        if self.generator_provider != CUDA:
+            audio, phase = session.run(None, feed)
+            return audio, phase
+        # IO binding: one host->device copy per input, outputs allocated on the device and copied back once.
+        binding = session.io_binding()
+        for name, value in feed.items():
+            binding.bind_cpu_input(name, np.ascontiguousarray(value))
+        for out in session.get_outputs():
+            binding.bind_output(out.name, "cuda", self.device_id)
+        session.run_with_iobinding(binding)
+        audio, phase = binding.copy_outputs_to_cpu()
         return audio, phase
 
 

@@ -94,16 +94,15 @@ def test_every_key_spelling_gives_the_exported_weights(full_artifacts, spelling)
     state = legacy_spelling(state) if spelling == "legacy" else prefixed(state)
     hift = load_hift(state, spectral="conv")
     weights = {k: v.numpy() for k, v in hift.generator.state_dict().items()}
-    model = onnx.load(str(full_artifacts.out / ARTIFACT_FILES[GENERATOR_STREAM]),
-                      base_dir=str(full_artifacts.out))
+    model = onnx.load(str(full_artifacts.out / ARTIFACT_FILES[GENERATOR_STREAM]))  # external data resolved
     checked = 0
     for init in model.graph.initializer:
         name = init.name.removeprefix("generator.")
         if name in weights:
-            np.testing.assert_array_equal(onnx.numpy_helper.to_array(init, base_dir=str(full_artifacts.out)),
+            np.testing.assert_array_equal(onnx.numpy_helper.to_array(init),
                                           weights[name])
             checked += 1
-    assert checked >= 200  # every conv weight and bias
+    assert checked >= 160  # the weight and bias of all 80 convs (Snake alphas are folded into 1/alpha)
 
 
 # ---- graph parity --------------------------------------------------------------------------------------------------

@@ -1,0 +1,214 @@
+"""Issue 5: bad input, damaged artifacts, concurrent streams."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import warnings
+
+import numpy as np
+import pytest
+
+from hift_runtime import ArtifactError, MelError, StreamError, open_vocoder
+from hift_runtime.manifest import F0, GENERATOR_STREAM, MANIFEST_NAME
+
+from .test_streaming import random_mel
+
+
+@pytest.fixture(scope="module")
+def vocoder(small_artifacts):
+    return open_vocoder(small_artifacts.out, device="cpu")
+
+
+@pytest.fixture()
+def artifacts_copy(small_artifacts, tmp_path):
+    out = tmp_path / "artifacts"
+    shutil.copytree(small_artifacts.out, out)
+    return out
+
+
+# ---- bad input to a stream -----------------------------------------------------------------------------------------
+BAD_CHUNKS = {
+    "rank1": (np.zeros(80, np.float32), MelError, "must be"),
+    "rank4": (np.zeros((1, 1, 80, 5), np.float32), MelError, "must be"),
+    "81_bins": (np.zeros((81, 5), np.float32), MelError, "81 channels"),
+    "transposed": (np.zeros((5, 80), np.float32), MelError, "transpose"),
+    "batch2": (np.zeros((2, 80, 5), np.float32), MelError, "batch size 2"),
+    "int": (np.zeros((80, 5), np.int32), TypeError, "dtype int32"),
+    "bool": (np.zeros((80, 5), bool), TypeError, "dtype bool"),
+    "nan": (np.full((80, 5), np.nan, np.float32), MelError, "non-finite"),
+    "inf": (np.concatenate([np.zeros((80, 4)), np.full((80, 1), -np.inf)], 1).astype(np.float32), MelError,
+            "frame 4"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CHUNKS))
+def test_rejected_chunk_leaves_the_stream_unchanged(vocoder, case):
+    bad, exc, message = BAD_CHUNKS[case]
+    mel = random_mel(70, 9)
+    clean = vocoder.stream()
+    expected = [clean.push(mel[:, :30]), clean.push(mel[:, 30:]), clean.finish()]
+    stream = vocoder.stream()
+    got = [stream.push(mel[:, :30])]
+    with pytest.raises(exc, match=message):
+        stream.push(bad)
+    got += [stream.push(mel[:, 30:]), stream.finish()]
+    for a, b in zip(got, expected):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_accepted_layouts_and_dtypes(vocoder):
+    mel = random_mel(40, 2)
+    ref = np.concatenate([vocoder.stream().push(mel), ])
+    variants = {
+        "batched": mel[None],
+        "float64": mel.astype(np.float64),
+        "fortran": np.asfortranarray(mel),
+        "strided": np.repeat(mel, 2, axis=1)[:, ::2],
+        "readonly": mel.copy(),
+    }
+    variants["readonly"].setflags(write=False)
+    for name, variant in variants.items():
+        np.testing.assert_array_equal(vocoder.stream().push(variant), ref, err_msg=name)
+
+
+def test_out_of_range_mel_warns_once(vocoder):
+    stream = vocoder.stream()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stream.push(np.full((80, 10), 40.0, np.float32))
+        stream.push(np.full((80, 10), 40.0, np.float32))
+    assert len([w for w in caught if "log mel" in str(w.message) or "natural-log" in str(w.message)]) == 1
+
+
+def test_push_after_finish_and_finish_twice(vocoder):
+    stream = vocoder.stream()
+    stream.push(random_mel(10))
+    stream.finish()
+    with pytest.raises(StreamError, match="after finish"):
+        stream.push(random_mel(10))
+    with pytest.raises(StreamError, match="twice"):
+        stream.finish()
+
+
+def test_empty_stream(vocoder):
+    assert vocoder.stream().finish().shape == (0,)
+
+
+# ---- damaged artifacts ---------------------------------------------------------------------------------------------
+def _manifest(out):
+    return json.loads((out / MANIFEST_NAME).read_text())
+
+
+def _write_manifest(out, data):
+    (out / MANIFEST_NAME).write_text(json.dumps(data))
+
+
+def test_missing_folder_and_manifest(tmp_path):
+    with pytest.raises(ArtifactError, match="does not exist"):
+        open_vocoder(tmp_path / "nope")
+    with pytest.raises(ArtifactError, match="manifest.json is missing"):
+        open_vocoder(tmp_path)
+
+
+def test_missing_file(artifacts_copy):
+    (artifacts_copy / "hift_f0.onnx").unlink()
+    with pytest.raises(ArtifactError, match="hift_f0.onnx.*missing"):
+        open_vocoder(artifacts_copy)
+
+
+@pytest.mark.parametrize("how", ["truncated", "tampered"])
+def test_damaged_graph(artifacts_copy, how):
+    path = artifacts_copy / "hift_generator.weights"
+    data = bytearray(path.read_bytes())
+    if how == "truncated":
+        path.write_bytes(bytes(data[: len(data) // 2]))
+        match = "hift_generator.weights.*truncated"
+    else:
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+        match = "hift_generator.weights.*sha256"
+    with pytest.raises(ArtifactError, match=match):
+        open_vocoder(artifacts_copy)
+
+
+def test_newer_format_version(artifacts_copy):
+    data = _manifest(artifacts_copy)
+    data["format_version"] = 99
+    _write_manifest(artifacts_copy, data)
+    with pytest.raises(ArtifactError, match="format version 99, newer"):
+        open_vocoder(artifacts_copy)
+
+
+def test_signature_mismatch(artifacts_copy):
+    data = _manifest(artifacts_copy)
+    data["artifacts"][GENERATOR_STREAM]["inputs"][0]["name"] = "spectrogram"
+    _write_manifest(artifacts_copy, data)
+    with pytest.raises(ArtifactError, match="hift_generator_stream.onnx: graph signature"):
+        open_vocoder(artifacts_copy)
+
+
+def test_f0_graph_must_be_float32(artifacts_copy):
+    data = _manifest(artifacts_copy)
+    data["artifacts"][F0]["inputs"][0]["dtype"] = "float64"
+    _write_manifest(artifacts_copy, data)
+    with pytest.raises(ArtifactError, match="hift_f0.onnx: the F0 graph must take and return float32"):
+        open_vocoder(artifacts_copy)
+
+
+def test_mixed_exports_are_refused(artifacts_copy):
+    data = _manifest(artifacts_copy)
+    data["config"]["nsf_alpha"] = 0.2
+    _write_manifest(artifacts_copy, data)
+    with pytest.raises(ArtifactError, match="differs from manifest.json"):
+        open_vocoder(artifacts_copy)
+
+
+def test_vocode_cli_on_damaged_artifacts_is_one_line(artifacts_copy, tmp_path, capsys):
+    from hift_runtime.cli import main
+
+    (artifacts_copy / "hift_f0.onnx").write_bytes(b"garbage")
+    np.save(tmp_path / "mel.npy", random_mel(20))
+    code = main(["--artifacts", str(artifacts_copy), "--mel", str(tmp_path / "mel.npy"), "--out",
+                 str(tmp_path / "a.wav"), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and "hift_f0.onnx" in err and "Traceback" not in err
+
+
+# ---- load ----------------------------------------------------------------------------------------------------------
+def test_concurrent_streams_are_independent(vocoder):
+    """32 streams pushed from 8 threads over one opened runtime: each bitwise equal to the same stream run alone."""
+    mels = [random_mel(60 + 7 * i, seed=100 + i) for i in range(32)]
+    schedules = [[5 + (i % 4) * 6] * 20 for i in range(32)]
+
+    def run(mel, schedule):
+        stream = vocoder.stream()
+        out, pos = [], 0
+        for size in schedule:
+            if pos >= mel.shape[1]:
+                break
+            out.append(stream.push(mel[:, pos:pos + size]))
+            pos += size
+        out.append(stream.finish())
+        return np.concatenate(out)
+
+    alone = [run(m, s) for m, s in zip(mels, schedules)]
+    results: dict[int, np.ndarray] = {}
+    errors: list[BaseException] = []
+
+    def worker(indices):
+        try:
+            for i in indices:
+                results[i] = run(mels[i], schedules[i])
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(range(k, 32, 8),)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for i in range(32):
+        np.testing.assert_array_equal(results[i], alone[i], err_msg=f"stream {i}")
