@@ -36,6 +36,11 @@ class CudaOptions:
                 "cudnn_conv_algo_search": self.cudnn_conv_algo_search}
 
 
+def _nvidia_driver_present() -> bool:
+    """onnxruntime-gpu lists the CUDA EP even where there is no GPU and then logs errors when asked for it."""
+    return os.path.exists("/proc/driver/nvidia/version") or os.path.exists("/dev/nvidiactl")
+
+
 def _check_signature(session: ort.InferenceSession, entry: dict[str, Any], path: os.PathLike[str] | str) -> None:
     def sig(values: Any) -> list[tuple[str, str]]:
         return [(v.name, v.type) for v in values]
@@ -80,7 +85,11 @@ class OrtBackend:
         providers: list[Any] = [CPU]
         reason = "device='cpu' requested"
         if device in ("auto", "cuda"):
-            if CUDA in ort.get_available_providers():
+            if not _nvidia_driver_present():
+                reason = "no NVIDIA driver on this host"
+                if device == "cuda":
+                    raise ArtifactError(f"device='cuda' requested but there is {reason}")
+            elif CUDA in ort.get_available_providers():
                 providers = [(CUDA, (cuda or CudaOptions()).provider_options()), CPU]
                 reason = ""
             else:

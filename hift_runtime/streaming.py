@@ -189,6 +189,8 @@ class VocoderStream:
         self._mel_start = 0
         self._f0 = np.zeros(0, np.float32)  # absolute frames [f0_start, f0_end)
         self._f0_start = 0
+        self._noise = np.zeros((0, c.num_sines), np.float32)  # noise rows of frames [noise_start, ...)
+        self._noise_start = 0
         self._emitted = 0  # frames whose audio was returned
         self._phase = np.zeros(c.num_sines, np.float64)  # carried phase sum (turns) at frame window_start-1
         self._phase_frame = 0  # the window start the carried phase belongs to
@@ -265,15 +267,24 @@ class VocoderStream:
         emit_end = n if finalize else f0_end - c.stream_emit_lag
         audio = np.zeros(0, np.float32)
         phase, phase_frame = self._phase, self._phase_frame
+        noise = self._noise
         win_frames: list[int] = []
         if emit_end > self._emitted:
             w = max(0, self._emitted - c.window_frames)
             if w != phase_frame:  # the carry is stored for exactly this window start by the previous call
                 raise RuntimeError(f"internal error: carried phase belongs to frame {phase_frame}, window starts at {w}")
             frames = f0_end - w
+            # Noise rows are drawn once per frame and kept with the window (a seeded table hashes on demand).
+            noise_end = self._noise_start + self._noise.shape[0] // spf
+            if f0_end > noise_end:
+                new_rows = self._v.noise.rows(noise_end * spf, (f0_end - noise_end) * spf)
+                noise = np.concatenate([self._noise, new_rows]) if self._noise.size else new_rows
+            else:
+                noise = self._noise
+            window_noise = noise[(w - self._noise_start) * spf: (f0_end - self._noise_start) * spf]
             out_audio, phase_out = backend.generate(
                 mel[None, :, w - mel_start: f0_end - mel_start], f0[None, w - f0_start: f0_end - f0_start],
-                self._v.noise.rows(w * spf, frames * spf)[None], phase[None], finalize)
+                window_noise[None], phase[None], finalize)
             audio = np.ascontiguousarray(out_audio[0, (self._emitted - w) * spf:], dtype=np.float32)
             expected = (emit_end - self._emitted) * spf
             if audio.shape[0] != expected:
@@ -298,6 +309,8 @@ class VocoderStream:
         self._mel_start = keep_mel
         self._f0 = f0[keep_gen - f0_start:]
         self._f0_start = keep_gen
+        self._noise = noise[(keep_gen - self._noise_start) * spf:]
+        self._noise_start = keep_gen
         st = self.stats
         st.frames_in = n
         st.samples_out += audio.shape[0]
@@ -311,4 +324,5 @@ class VocoderStream:
             self._finished = True
             self._mel = np.zeros((c.in_channels, 0), np.float32)
             self._f0 = np.zeros(0, np.float32)
+            self._noise = np.zeros((0, c.num_sines), np.float32)
         return audio

@@ -104,7 +104,9 @@ def test_schedules_ort_vs_eager(small_vocoder, small_reference, name):
 
     frames = 150 if name not in ("first3_then_finish", "first8_then_finish") else int(name[5])
     mel = random_mel(frames, seed=len(name))
-    report, ours, theirs = run_parity(small_vocoder, small_reference, mel, SCHEDULES[name][: frames])
+    sizes = SCHEDULES[name][:frames]
+    sizes = sizes + [frames - sum(sizes)] if sum(sizes) < frames else sizes
+    report, ours, theirs = run_parity(small_vocoder, small_reference, mel, sizes)
     assert ours.shape == (480 * frames,)
     assert report.passed, report.to_json()
     offline = small_vocoder.vocode(mel)
