@@ -116,6 +116,7 @@ def main() -> None:
     backend.predict_f0, backend.generate = timed("f0", real_f0), timed("generator", real_gen)
     rng = np.random.default_rng(1)
     mel = (np.cumsum(rng.standard_normal((80, 500)).astype(np.float32) * 0.2, axis=1) * 0.2 - 5).astype(np.float32)
+    vocoder.warmup(24)
     for rep in range(2):
         for k in spent:
             spent[k].clear()

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -25,11 +27,19 @@ CPU = "CPUExecutionProvider"
 
 @dataclass(frozen=True)
 class CudaOptions:
-    """CUDA EP settings. TF32 is off by default (parity); HEURISTIC avoids re-benchmarking every new shape."""
+    """CUDA EP settings. TF32 is off by default (parity); HEURISTIC avoids re-benchmarking every new shape.
+
+    ``shape_sessions``: the CUDA EP rebuilds every conv's cuDNN state whenever a session sees a window length other
+    than its previous one (~180 ms on an H200 for this graph, measured: benchmarks/results/gpu-h200-shape-probe.json).
+    Window lengths recur (a stream's first chunks, the steady state), so a length seen twice gets a session of its
+    own, up to this many per graph (each holds one 70 MB copy of the weights on the device); other lengths share
+    one session. 0 disables the pool.
+    """
 
     device_id: int = 0
     use_tf32: bool = False
     cudnn_conv_algo_search: str = "HEURISTIC"
+    shape_sessions: int = 8
 
     def provider_options(self) -> dict[str, str]:
         return {"device_id": str(self.device_id), "use_tf32": "1" if self.use_tf32 else "0",
@@ -63,6 +73,37 @@ def _check_metadata(session: ort.InferenceSession, manifest: Manifest, path: Any
     if json.loads(raw) != manifest.config:
         raise ArtifactError(f"{path}: the config in the graph's metadata differs from manifest.json; the folder mixes "
                             f"files of two exports; re-export")
+
+
+class _ShapeSessionPool:
+    """One shared session plus dedicated sessions for recurring input shapes (LRU-bounded)."""
+
+    def __init__(self, factory: Any, limit: int, promote_after: int = 2) -> None:
+        self._factory, self._limit, self._promote_after = factory, limit, promote_after
+        self.shared = factory()
+        self._sessions: OrderedDict[tuple[int, ...], ort.InferenceSession] = OrderedDict()
+        self._seen: Counter[tuple[int, ...]] = Counter()
+        self._lock = threading.Lock()
+
+    def get(self, shape: tuple[int, ...]) -> ort.InferenceSession:
+        if self._limit <= 0:
+            return self.shared
+        with self._lock:
+            session = self._sessions.get(shape)
+            if session is not None:
+                self._sessions.move_to_end(shape)
+                return session
+            self._seen[shape] += 1
+            if self._seen[shape] < self._promote_after:
+                return self.shared
+            if len(self._sessions) >= self._limit:
+                self._sessions.popitem(last=False)
+            session = self._sessions[shape] = self._factory()
+            return session
+
+    @property
+    def dedicated(self) -> int:
+        return len(self._sessions)
 
 
 class OrtBackend:
@@ -100,6 +141,14 @@ class OrtBackend:
         self.generator_sessions = {False: self._session(GENERATOR_STREAM, opts, providers),
                                    True: self._session(GENERATOR_FINAL, opts, providers)}
         active = self.generator_sessions[False].get_providers()[0]
+        self._pools: dict[bool, _ShapeSessionPool] = {}
+        if active == CUDA:
+            limit = (cuda or CudaOptions()).shape_sessions
+            for finalize, role in ((False, GENERATOR_STREAM), (True, GENERATOR_FINAL)):
+                first = self.generator_sessions[finalize]
+                factory = (lambda role=role, first=[first]: first.pop() if first
+                           else self._session(role, opts, providers))
+                self._pools[finalize] = _ShapeSessionPool(factory, limit)
         if providers[0] != CPU and active != CUDA:
             reason = "CUDA EP could not start (no GPU or driver/CUDA libraries missing); see ONNX Runtime's log"
             if device == "cuda":
@@ -124,11 +173,12 @@ class OrtBackend:
 
     def generate(self, mel: np.ndarray, f0: np.ndarray, noise: np.ndarray, phase_in: np.ndarray,
                  finalize: bool) -> tuple[np.ndarray, np.ndarray]:
-        session = self.generator_sessions[finalize]
         feed = {"mel": mel, "f0": f0, "noise": noise, "phase_in": phase_in}
         if self.generator_provider != CUDA:
+            session = self.generator_sessions[finalize]
             audio, phase = session.run(None, feed)
             return audio, phase
+        session = self._pools[finalize].get(mel.shape)
         # IO binding: one host->device copy per input, outputs allocated on the device and copied back once.
         binding = session.io_binding()
         for name, value in feed.items():

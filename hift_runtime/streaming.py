@@ -130,6 +130,19 @@ class StreamingVocoder:
     def stream(self) -> "VocoderStream":
         return VocoderStream(self)
 
+    def warmup(self, chunk_frames: int = 24, streams: int = 2) -> None:
+        """Run ``streams`` silent streams of ``chunk_frames``-frame chunks through the backend, so that the window
+        lengths a real stream of that chunk size meets (first chunks, steady state, finish) are prepared before
+        the first user request (on the CUDA EP: their dedicated sessions exist and cuDNN state is built)."""
+        c = self.constants
+        frames = (c.window_frames // max(chunk_frames, 1) + 4) * chunk_frames
+        mel = np.full((c.in_channels, frames), -11.5, np.float32)
+        for _ in range(streams):
+            stream = self.stream()
+            for pos in range(0, frames, chunk_frames):
+                stream.push(mel[:, pos:pos + chunk_frames])
+            stream.finish()
+
     def vocode(self, mel: np.ndarray) -> np.ndarray:
         """One offline ``finalize=True`` pass over the whole mel (upstream non-streaming ``inference``)."""
         c = self.constants
