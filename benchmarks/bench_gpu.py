@@ -8,6 +8,8 @@ Arms (per-chunk latency of the vocoder, F0 included):
   b   eager PyTorch, folded, bounded window (our bookkeeping, TorchBackend, F0 on the CPU in float64)
   c   this runtime: ORT CUDA EP generator (TF32 off, HEURISTIC, IO binding) + ORT CPU F0, bounded window
   c'  the same with TF32 on
+  d   (c) with each recurring window length in its own static-shape session replayed as a CUDA graph
+      (CudaOptions(cuda_graphs=True)); d' with TF32 on
   e   torch.compile(mode="reduce-overhead") of the folded eager generator, bounded window (with --compile)
 Batched: the generator graph on B = 1, 8, 64 steady-state windows per call -> real-time streams per GPU.
 """
@@ -156,6 +158,9 @@ def main() -> None:
     vocoders = {
         "c_ort_cuda_tf32_off": open_vocoder(art, device="cuda", cuda=CudaOptions(use_tf32=False)),
         "c2_ort_cuda_tf32_on": open_vocoder(art, device="cuda", cuda=CudaOptions(use_tf32=True)),
+        "d_ort_cuda_graphs_tf32_off": open_vocoder(art, device="cuda", cuda=CudaOptions(cuda_graphs=True)),
+        "d2_ort_cuda_graphs_tf32_on": open_vocoder(art, device="cuda", cuda=CudaOptions(cuda_graphs=True,
+                                                                                        use_tf32=True)),
     }
     ort_cpu = open_vocoder(art, device="cpu")
     noise = ort_cpu.noise
@@ -165,7 +170,9 @@ def main() -> None:
     # ---- parity per chunk: ORT CUDA vs eager CUDA vs ORT CPU, same stream -------------------------------------
     mel = synthetic_mel(200, seed=1)
     outs = {}
-    for name, v in (("ort_cuda", vocoders["c_ort_cuda_tf32_off"]), ("eager_cuda", eager), ("ort_cpu", ort_cpu)):
+    vocoders["d_ort_cuda_graphs_tf32_off"].warmup(24)  # so the parity stream runs on the captured graphs
+    for name, v in (("ort_cuda", vocoders["c_ort_cuda_tf32_off"]), ("eager_cuda", eager), ("ort_cpu", ort_cpu),
+                    ("ort_cuda_graphs", vocoders["d_ort_cuda_graphs_tf32_off"])):
         chunks = []
         s = v.stream()
         for pos in range(0, 200, 24):
@@ -173,7 +180,7 @@ def main() -> None:
         chunks.append(s.finish())
         outs[name] = chunks
     parity = {}
-    for other in ("eager_cuda", "ort_cpu"):
+    for other in ("eager_cuda", "ort_cpu", "ort_cuda_graphs"):
         per_chunk = [max_abs(a, b) for a, b in zip(outs["ort_cuda"], outs[other])]
         a, b = np.concatenate(outs["ort_cuda"]), np.concatenate(outs[other])
         parity[f"ort_cuda_vs_{other}"] = {"max_abs": max_abs(a, b), "snr_db": snr_db(a, b),
@@ -215,8 +222,11 @@ def main() -> None:
             except Exception as exc:  # noqa: BLE001 - record why the arm is missing
                 results["e_torch_compile_reduce_overhead"] = {"error": str(exc)[:300]}
         c = results["c_ort_cuda_tf32_off"]["chunk"]["median_ms"]
+        d = results["d_ort_cuda_graphs_tf32_off"]["chunk"]["median_ms"]
         results["ratios"] = {"a_over_c": results["a_upstream_revocode"]["chunk"]["median_ms"] / c,
-                             "b_over_c": results["b_eager_folded_window"]["chunk"]["median_ms"] / c}
+                             "b_over_c": results["b_eager_folded_window"]["chunk"]["median_ms"] / c,
+                             "a_over_d": results["a_upstream_revocode"]["chunk"]["median_ms"] / d,
+                             "b_over_d": results["b_eager_folded_window"]["chunk"]["median_ms"] / d}
         arms[f"chunk{chunk}_window64"] = results
     report["per_chunk"] = arms
 
@@ -225,14 +235,18 @@ def main() -> None:
     mel60 = synthetic_mel(frames, seed=60)
     vocoders["c_ort_cuda_tf32_off"].warmup(24)
     lat_c, _ = run_stream(vocoders["c_ort_cuda_tf32_off"], mel60, 24, sync)
+    lat_d, _ = run_stream(vocoders["d_ort_cuda_graphs_tf32_off"], mel60, 24, sync)
     lat_a = upstream_stream(hift_unfolded, f0_gpu, mel60, 24, noise, torch)
     report["long_stream"] = {"seconds": args.long_seconds, "chunk": 24, "a_total_s": sum(lat_a),
-                             "c_total_s": sum(lat_c), "a_over_c": sum(lat_a) / sum(lat_c)}
+                             "c_total_s": sum(lat_c), "a_over_c": sum(lat_a) / sum(lat_c),
+                             "d_total_s": sum(lat_d), "a_over_d": sum(lat_a) / sum(lat_d)}
 
     # ---- batched windows: generator graph only, steady-state window (64 + 5 + 24 = 93 frames) ------------------
     batched = {}
     n = 93
     for name, v in vocoders.items():
+        if name.startswith("d"):
+            continue  # the batched figures are per call of the dynamic graph
         backend = v.backend
         batched[name] = {}
         for b in (1, 8, 64):

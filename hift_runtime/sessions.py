@@ -40,6 +40,9 @@ class CudaOptions:
     use_tf32: bool = False
     cudnn_conv_algo_search: str = "HEURISTIC"
     shape_sessions: int = 8
+    # Dedicated sessions fixed to their shape and replayed as CUDA graphs (measured 5.3 vs 6.6 ms per window on an
+    # H200, BENCHMARKS.md arm d). Off by default until it has run in more places than one benchmark.
+    cuda_graphs: bool = False
 
     def provider_options(self) -> dict[str, str]:
         return {"device_id": str(self.device_id), "use_tf32": "1" if self.use_tf32 else "0",
@@ -75,35 +78,85 @@ def _check_metadata(session: ort.InferenceSession, manifest: Manifest, path: Any
                             f"files of two exports; re-export")
 
 
-class _ShapeSessionPool:
-    """One shared session plus dedicated sessions for recurring input shapes (LRU-bounded)."""
+class _BoundRunner:
+    """A dynamic-shape CUDA session run with IO binding: one host->device copy per input, outputs on the device
+    copied back once."""
 
-    def __init__(self, factory: Any, limit: int, promote_after: int = 2) -> None:
-        self._factory, self._limit, self._promote_after = factory, limit, promote_after
-        self.shared = factory()
-        self._sessions: OrderedDict[tuple[int, ...], ort.InferenceSession] = OrderedDict()
+    def __init__(self, session: ort.InferenceSession, device_id: int) -> None:
+        self.session, self.device_id = session, device_id
+
+    def run(self, feed: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        binding = self.session.io_binding()
+        for name, value in feed.items():
+            binding.bind_cpu_input(name, np.ascontiguousarray(value))
+        for out in self.session.get_outputs():
+            binding.bind_output(out.name, "cuda", self.device_id)
+        self.session.run_with_iobinding(binding)
+        audio, phase = binding.copy_outputs_to_cpu()
+        return audio, phase
+
+
+class _GraphRunner:
+    """A session fixed to one input shape (free-dimension overrides fold the shape arithmetic onto the device) and
+    replayed as a CUDA graph over persistent device buffers. Calls are serialised: the buffers are shared."""
+
+    def __init__(self, make_session: Any, entry: dict[str, Any], feed: dict[str, np.ndarray], device_id: int,
+                 output_shapes: dict[str, tuple[int, ...]]) -> None:
+        overrides: dict[str, int] = {}
+        for spec in entry["inputs"]:
+            for dim, size in zip(spec["shape"], feed[spec["name"]].shape):
+                if isinstance(dim, str):
+                    overrides[dim] = int(size)
+        self.session = make_session(overrides)
+        self._lock = threading.Lock()
+        self._inputs = {k: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v), "cuda", device_id)
+                        for k, v in feed.items()}
+        dtypes = {o["name"]: np.dtype(o["dtype"]) for o in entry["outputs"]}
+        self._outputs = {k: ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtypes[k], "cuda", device_id)
+                         for k, shape in output_shapes.items()}
+        self._binding = self.session.io_binding()
+        for k, v in self._inputs.items():
+            self._binding.bind_ortvalue_input(k, v)
+        for k, v in self._outputs.items():
+            self._binding.bind_ortvalue_output(k, v)
+
+    def run(self, feed: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        with self._lock:
+            for k, v in feed.items():
+                self._inputs[k].update_inplace(np.ascontiguousarray(v))
+            self.session.run_with_iobinding(self._binding)
+            return self._outputs["audio"].numpy(), self._outputs["phase_out"].numpy()
+
+
+class _ShapeSessionPool:
+    """One shared runner plus dedicated runners for recurring input shapes (LRU-bounded)."""
+
+    def __init__(self, shared: Any, make_dedicated: Any, limit: int, promote_after: int = 2) -> None:
+        self.shared, self._make, self._limit, self._promote_after = shared, make_dedicated, limit, promote_after
+        self._runners: OrderedDict[tuple[int, ...], Any] = OrderedDict()
         self._seen: Counter[tuple[int, ...]] = Counter()
         self._lock = threading.Lock()
 
-    def get(self, shape: tuple[int, ...]) -> ort.InferenceSession:
+    def get(self, feed: dict[str, np.ndarray]) -> Any:
+        shape = tuple(feed["mel"].shape)
         if self._limit <= 0:
             return self.shared
         with self._lock:
-            session = self._sessions.get(shape)
-            if session is not None:
-                self._sessions.move_to_end(shape)
-                return session
+            runner = self._runners.get(shape)
+            if runner is not None:
+                self._runners.move_to_end(shape)
+                return runner
             self._seen[shape] += 1
             if self._seen[shape] < self._promote_after:
                 return self.shared
-            if len(self._sessions) >= self._limit:
-                self._sessions.popitem(last=False)
-            session = self._sessions[shape] = self._factory()
-            return session
+            if len(self._runners) >= self._limit:
+                self._runners.popitem(last=False)
+            runner = self._runners[shape] = self._make(feed)
+            return runner
 
     @property
     def dedicated(self) -> int:
-        return len(self._sessions)
+        return len(self._runners)
 
 
 class OrtBackend:
@@ -143,12 +196,13 @@ class OrtBackend:
         active = self.generator_sessions[False].get_providers()[0]
         self._pools: dict[bool, _ShapeSessionPool] = {}
         if active == CUDA:
-            limit = (cuda or CudaOptions()).shape_sessions
+            options = cuda or CudaOptions()
             for finalize, role in ((False, GENERATOR_STREAM), (True, GENERATOR_FINAL)):
-                first = self.generator_sessions[finalize]
-                factory = (lambda role=role, first=[first]: first.pop() if first
-                           else self._session(role, opts, providers))
-                self._pools[finalize] = _ShapeSessionPool(factory, limit)
+                shared = _BoundRunner(self.generator_sessions[finalize], options.device_id)
+                self._pools[finalize] = _ShapeSessionPool(
+                    shared, lambda feed, role=role, finalize=finalize: self._dedicated(role, finalize, feed, opts,
+                                                                                      options),
+                    options.shape_sessions)
         if providers[0] != CPU and active != CUDA:
             reason = "CUDA EP could not start (no GPU or driver/CUDA libraries missing); see ONNX Runtime's log"
             if device == "cuda":
@@ -168,6 +222,27 @@ class OrtBackend:
         _check_metadata(session, self.manifest, path)
         return session
 
+    def _dedicated(self, role: str, finalize: bool, feed: dict[str, np.ndarray], base: ort.SessionOptions,
+                   options: CudaOptions) -> Any:
+        provider = [(CUDA, options.provider_options()), CPU]
+        if not options.cuda_graphs:
+            return _BoundRunner(self._session(role, base, provider), options.device_id)
+        c = self.manifest.config["derived"]
+        batch, _, frames = feed["mel"].shape
+        samples = c["samples_per_frame"] * (frames if finalize else frames - int(self.manifest.config[
+            "conv_pre_look_right"]) - 1)
+
+        def make_session(overrides: dict[str, int]) -> ort.InferenceSession:
+            opts = ort.SessionOptions()
+            opts.log_severity_level = base.log_severity_level
+            for name, value in overrides.items():
+                opts.add_free_dimension_override_by_name(name, value)
+            graph_provider = [(CUDA, options.provider_options() | {"enable_cuda_graph": "1"})]
+            return self._session(role, opts, graph_provider)
+
+        return _GraphRunner(make_session, self.manifest.artifact(role), feed, options.device_id,
+                            {"audio": (batch, samples), "phase_out": (batch, frames, c["num_sines"])})
+
     def predict_f0(self, mel: np.ndarray) -> np.ndarray:
         return self.f0_session.run(None, {"mel": mel})[0]
 
@@ -178,16 +253,7 @@ class OrtBackend:
             session = self.generator_sessions[finalize]
             audio, phase = session.run(None, feed)
             return audio, phase
-        session = self._pools[finalize].get(mel.shape)
-        # IO binding: one host->device copy per input, outputs allocated on the device and copied back once.
-        binding = session.io_binding()
-        for name, value in feed.items():
-            binding.bind_cpu_input(name, np.ascontiguousarray(value))
-        for out in session.get_outputs():
-            binding.bind_output(out.name, "cuda", self.device_id)
-        session.run_with_iobinding(binding)
-        audio, phase = binding.copy_outputs_to_cpu()
-        return audio, phase
+        return self._pools[finalize].get(feed).run(feed)
 
 
 def open_vocoder(artifacts: str | os.PathLike[str], *, device: Device = "auto", window_frames: int | None = None,
