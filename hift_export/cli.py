@@ -6,13 +6,15 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from hift_runtime.argparsing import OneLineArgumentParser
+
 from .checkpoint import CheckpointError
 from .config import COSYVOICE3
 from .model import DEFAULT_SEED
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineArgumentParser(
         prog="hift-export",
         description="Export the CosyVoice3 HiFT vocoder (generator + F0 predictor) to ONNX and TorchScript.")
     p.add_argument("--checkpoint", help="upstream hift.pt (any accepted key spelling); omit for seeded random "

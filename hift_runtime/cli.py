@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .argparsing import OneLineArgumentParser
 from .audio_io import read_mel, write_wav
 from .manifest import ArtifactError
 from .streaming import MelError, StreamError, StreamingVocoder, validate_mel
@@ -65,7 +66,7 @@ def _stream(vocoder: StreamingVocoder, mel: np.ndarray, sizes: Sequence[int], pr
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hift-vocode", description="Vocode a mel with the exported CosyVoice3 HiFT.")
+    p = OneLineArgumentParser(prog="hift-vocode", description="Vocode a mel with the exported CosyVoice3 HiFT.")
     p.add_argument("--artifacts", required=True, help="folder written by hift-export")
     p.add_argument("--mel", required=True, help="input mel, .npy or .npz ([80, T] or [1, 80, T] natural-log mel)")
     p.add_argument("--out", required=True, help="output .wav (24 kHz) or .npy (float32 samples)")

@@ -91,8 +91,7 @@ def test_fixture_ort_vs_eager_per_chunk(full_artifacts, reference, fixture_noise
 SCHEDULES = {
     "all24": [24] * 6,
     "all1": [1] * 150,
-    "first3_then_finish": [3],
-    "first8_then_finish": [8],
+    **{f"first{k}_then_finish": [k] for k in range(1, 9)},
     "empty_in_middle": [30, 0, 40, 0, 50],
     "one_chunk": [150],
 }
@@ -102,7 +101,7 @@ SCHEDULES = {
 def test_schedules_ort_vs_eager(small_vocoder, small_reference, name):
     from hift_export.parity import run_parity
 
-    frames = 150 if name not in ("first3_then_finish", "first8_then_finish") else int(name[5])
+    frames = int(name[5]) if name.endswith("_then_finish") else 150
     mel = random_mel(frames, seed=len(name))
     sizes = SCHEDULES[name][:frames]
     sizes = sizes + [frames - sum(sizes)] if sum(sizes) < frames else sizes
@@ -249,3 +248,10 @@ def test_vocode_cli_errors_are_one_line(small_artifacts, tmp_path, extra, messag
     code = vocode_main([x for kv in argv.items() for x in kv] + ["--quiet"])
     err = capsys.readouterr().err
     assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_cli_argument_errors_are_one_line(capsys):
+    with pytest.raises(SystemExit) as exc:
+        vocode_main(["--artifacts", "x"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and len(err.strip().splitlines()) == 1 and "required" in err
