@@ -89,6 +89,16 @@ def upstream_stream(hift_unfolded, f0_gpu, mel: np.ndarray, chunk: int, noise_ta
     return lat
 
 
+def kernel_events(session) -> list[tuple[str, str, str]]:
+    """(provider, op type, node name) of every kernel a profiled session ran; ends and deletes the profile."""
+    path = Path(session.end_profiling())
+    events = json.loads(path.read_text())
+    path.unlink(missing_ok=True)
+    return [(e.get("args", {}).get("provider", "?"), e.get("args", {}).get("op_name", "?"),
+             e["name"].removesuffix("_kernel_time"))
+            for e in events if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time")]
+
+
 def placement(artifacts: Path, out_dir: Path, ort, cuda_opts) -> dict[str, Any]:
     """Where every generator node runs: session profiling + the optimized graph's Memcpy count."""
     opts = ort.SessionOptions()
@@ -103,18 +113,13 @@ def placement(artifacts: Path, out_dir: Path, ort, cuda_opts) -> dict[str, Any]:
             "noise": np.random.rand(1, n * 480, 9).astype(np.float32), "phase_in": np.zeros((1, 9))}
     for _ in range(3):
         sess.run(None, feed)
-    profile = sess.end_profiling()
-    events = json.loads(Path(profile).read_text())
     providers: dict[str, int] = {}
-    for e in events:
-        if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time"):
-            prov = e.get("args", {}).get("provider", "?")
-            providers[prov] = providers.get(prov, 0) + 1
+    for prov, _op, _name in kernel_events(sess):
+        providers[prov] = providers.get(prov, 0) + 1
     import onnx
 
     optimized = onnx.load(str(out_dir / "optimized_stream.onnx"), load_external_data=False)
     memcpy = sum(1 for node in optimized.graph.node if node.op_type.startswith("Memcpy"))
-    Path(profile).unlink(missing_ok=True)
     return {"kernel_events_by_provider (3 runs)": providers, "memcpy_nodes_in_optimized_graph": memcpy,
             "optimized_nodes": len(optimized.graph.node)}
 

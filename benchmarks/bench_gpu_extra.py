@@ -36,10 +36,9 @@ def cpu_nodes(art: Path, ort) -> dict[str, Any]:
     sess = ort.InferenceSession(str(art / "hift_generator_stream.onnx"), opts,
                                 providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
     sess.run(None, feed(1, WINDOW))
-    events = json.loads(Path(sess.end_profiling()).read_text())
-    on_cpu = sorted({(e["args"].get("op_name", "?"), e["name"].removesuffix("_kernel_time")) for e in events
-                     if e.get("cat") == "Node" and e.get("args", {}).get("provider") == "CPUExecutionProvider"
-                     and e["name"].endswith("_kernel_time")})
+    from bench_gpu import kernel_events  # benchmarks/ is on sys.path when run as a script
+
+    on_cpu = sorted({(op, name) for prov, op, name in kernel_events(sess) if prov == "CPUExecutionProvider"})
     return {"count": len(on_cpu), "nodes": [f"{op}:{name}" for op, name in on_cpu]}
 
 
