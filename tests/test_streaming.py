@@ -255,3 +255,11 @@ def test_cli_argument_errors_are_one_line(capsys):
         vocode_main(["--artifacts", "x"])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and len(err.strip().splitlines()) == 1 and "required" in err
+
+
+def test_emitted_chunks_do_not_pin_window_buffers(small_vocoder):
+    stream = small_vocoder.stream()
+    mel = random_mel(120, 6)
+    pieces = [stream.push(mel[:, pos:pos + 24]) for pos in range(0, 120, 24)] + [stream.finish()]
+    for piece in pieces:
+        assert piece.base is None and piece.flags.owndata  # only the new samples are kept alive
