@@ -20,6 +20,7 @@ import platform
 import shutil
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -124,9 +125,13 @@ def op_types(model: Any) -> dict[str, int]:
 
 def _export_onnx(module: torch.nn.Module, args: tuple[torch.Tensor, ...], input_names: Sequence[str],
                  output_names: Sequence[str], dynamic_shapes: dict[str, Any], opset: int) -> Any:
-    program = torch.onnx.export(module, args, None, dynamo=True, input_names=list(input_names),
-                                output_names=list(output_names), opset_version=opset, dynamic_shapes=dynamic_shapes,
-                                optimize=True, verbose=False)
+    with warnings.catch_warnings():
+        # torch.onnx's own notices about renamed shared axes and deprecated pytree APIs: not the user's concern.
+        warnings.filterwarnings("ignore", message=r".*axis name.*")
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        program = torch.onnx.export(module, args, None, dynamo=True, input_names=list(input_names),
+                                    output_names=list(output_names), opset_version=opset,
+                                    dynamic_shapes=dynamic_shapes, optimize=True, verbose=False)
     return program.model_proto
 
 
