@@ -83,8 +83,8 @@ class NoiseTable:
             return np.asarray(self._table[index], dtype=np.float32)
         index = (first + np.arange(count, dtype=np.uint64)) % np.uint64(self.length)
         cells = index[:, None] * np.uint64(self.columns) + np.arange(self.columns, dtype=np.uint64)[None, :]
-        key = np.uint64(self.seed) * _GOLDEN
         with np.errstate(over="ignore"):
+            key = np.uint64(self.seed) * _GOLDEN
             bits = _splitmix64(cells + key)
         # Top 24 bits -> exactly representable float32 in [0, 1).
         return ((bits >> np.uint64(40)).astype(np.float32) * np.float32(1.0 / (1 << 24)))
