@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -103,8 +103,8 @@ class StreamStats:
     f0_calls: int = 0
     generator_calls: int = 0
     max_mel_cache: int = 0
-    f0_input_frames: list[int] = field(default_factory=list)
-    window_frames: list[int] = field(default_factory=list)
+    max_f0_input_frames: int = 0  # the largest F0 graph input: new frames + left context (+ look-ahead zeros)
+    max_window_frames: int = 0  # the largest generator window
 
 
 PHASE_MODES = ("upstream", "wrapped")
@@ -331,9 +331,9 @@ class VocoderStream:
         st.samples_out += audio.shape[0]
         st.f0_frames = f0_end
         st.f0_calls += f0_calls
-        st.f0_input_frames += f0_inputs
+        st.max_f0_input_frames = max([st.max_f0_input_frames, *f0_inputs])
         st.generator_calls += len(win_frames)
-        st.window_frames += win_frames
+        st.max_window_frames = max([st.max_window_frames, *win_frames])
         st.max_mel_cache = max(st.max_mel_cache, mel.shape[1])
         if finalize:
             self._finished = True
