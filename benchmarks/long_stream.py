@@ -43,6 +43,7 @@ def main() -> None:
     # arrays alive fragments the heap and would measure the caller, not the runtime.
     audio = np.empty(args.frames * spf, np.float32)
     filled, rss = 0, {"start": rss_mb()}
+    rss_trace: list[tuple[int, float]] = []
     started = time.perf_counter()
     for i, pos in enumerate(range(0, args.frames, args.chunk)):
         piece = stream.push(mel[:, pos:pos + args.chunk])
@@ -50,6 +51,9 @@ def main() -> None:
         filled += piece.shape[0]
         if i == (args.frames // args.chunk) // 2:
             rss["middle"] = rss_mb()
+        if i % 100 == 0:
+            rss_trace.append((i, round(rss_mb(), 1)))
+    rss["before_finish"] = rss_mb()  # finish() runs the final graph for the first time: its arena is one-off
     piece = stream.finish()
     audio[filled:filled + piece.shape[0]] = piece
     filled += piece.shape[0]
@@ -72,6 +76,9 @@ def main() -> None:
         "config_base_channels": vocoder.backend.manifest.config["base_channels"],
         "length_exact": filled == args.frames * spf, "finite": bool(np.isfinite(audio).all()),
         "rss_mb": rss, "rss_growth_mb": rss["end"] - rss["start"],
+        "rss_growth_steady_mb (chunk 100 -> before finish, incl. 27 MB of output buffer pages)":
+            rss["before_finish"] - dict(rss_trace)[100],
+        "rss_by_chunk": rss_trace,
         "max_mel_cache_frames": stream.stats.max_mel_cache, "stream_wall_s": stream_s,
         "sample_step_max_around_wrap": float(around_wrap.max()), "sample_step_p999_overall": float(
             np.percentile(steps, 99.9)),
