@@ -141,7 +141,7 @@ def main() -> None:
     if hasattr(ort, "preload_dlls"):
         ort.preload_dlls()
     from hift_export import load_hift
-    from hift_export.backend import TorchBackend, torch_vocoder
+    from hift_export.backend import TorchBackend
     from hift_export.parity import max_abs, snr_db
     from hift_runtime import CudaOptions, open_vocoder
     from hift_runtime.streaming import StreamingVocoder

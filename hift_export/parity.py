@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
-import torch
 
 from hift_runtime.manifest import Manifest, sha256_file
 from hift_runtime.streaming import StreamingVocoder, VocoderBackend
