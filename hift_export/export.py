@@ -287,7 +287,6 @@ def export_artifacts(checkpoint: CheckpointSource | None = None, out: str | os.P
         hift.f0_predictor.impl = "matmul"  # ORT has no float64 Conv/Elu kernels; MatMul/Exp/Where it has
     log(f"[fold] {hift.fold_report}")
 
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".hift-export-", dir=out))
     try:

@@ -58,10 +58,11 @@ def _check_signature(session: ort.InferenceSession, entry: dict[str, Any], path:
     def sig(values: Any) -> list[tuple[str, str]]:
         return [(v.name, v.type) for v in values]
 
-    want_in = [(v["name"], f"tensor({v['dtype'].replace('float32', 'float').replace('float64', 'double')})")
-               for v in entry["inputs"]]
-    want_out = [(v["name"], f"tensor({v['dtype'].replace('float32', 'float').replace('float64', 'double')})")
-                for v in entry["outputs"]]
+    def ort_type(dtype: str) -> str:  # manifest spells NumPy dtypes; ORT spells ONNX element types
+        return f"tensor({ {'float32': 'float', 'float64': 'double'}.get(dtype, dtype)})"
+
+    want_in = [(v["name"], ort_type(v["dtype"])) for v in entry["inputs"]]
+    want_out = [(v["name"], ort_type(v["dtype"])) for v in entry["outputs"]]
     got_in, got_out = sig(session.get_inputs()), sig(session.get_outputs())
     if got_in != want_in or got_out != want_out:
         raise ArtifactError(f"{path}: graph signature inputs {got_in} -> outputs {got_out} differs from the "

@@ -133,35 +133,33 @@ def test_damaged_graph(artifacts_copy, how):
         open_vocoder(artifacts_copy)
 
 
-def test_newer_format_version(artifacts_copy):
-    data = _manifest(artifacts_copy)
+def _newer_format(data):
     data["format_version"] = 99
-    _write_manifest(artifacts_copy, data)
-    with pytest.raises(ArtifactError, match="format version 99, newer"):
-        open_vocoder(artifacts_copy)
 
 
-def test_signature_mismatch(artifacts_copy):
-    data = _manifest(artifacts_copy)
+def _renamed_input(data):
     data["artifacts"][GENERATOR_STREAM]["inputs"][0]["name"] = "spectrogram"
-    _write_manifest(artifacts_copy, data)
-    with pytest.raises(ArtifactError, match="hift_generator_stream.onnx: graph signature"):
-        open_vocoder(artifacts_copy)
 
 
-def test_f0_graph_must_be_float32(artifacts_copy):
-    data = _manifest(artifacts_copy)
+def _float64_f0(data):
     data["artifacts"][F0]["inputs"][0]["dtype"] = "float64"
-    _write_manifest(artifacts_copy, data)
-    with pytest.raises(ArtifactError, match="hift_f0.onnx: the F0 graph must take and return float32"):
-        open_vocoder(artifacts_copy)
 
 
-def test_mixed_exports_are_refused(artifacts_copy):
-    data = _manifest(artifacts_copy)
+def _other_config(data):
     data["config"]["nsf_alpha"] = 0.2
+
+
+@pytest.mark.parametrize("edit, match", [
+    (_newer_format, "format version 99, newer"),
+    (_renamed_input, "hift_generator_stream.onnx: graph signature"),
+    (_float64_f0, "hift_f0.onnx: the F0 graph must take and return float32"),
+    (_other_config, "differs from manifest.json"),  # graphs from another export
+], ids=["newer_format_version", "signature_mismatch", "f0_not_float32", "mixed_exports"])
+def test_manifest_mismatches_are_refused(artifacts_copy, edit, match):
+    data = _manifest(artifacts_copy)
+    edit(data)
     _write_manifest(artifacts_copy, data)
-    with pytest.raises(ArtifactError, match="differs from manifest.json"):
+    with pytest.raises(ArtifactError, match=match):
         open_vocoder(artifacts_copy)
 
 
