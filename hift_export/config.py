@@ -88,6 +88,11 @@ class HiFTConfig:
     def frames_per_second(self) -> float:
         return self.sampling_rate / self.samples_per_frame
 
+    @property
+    def source_down_rates(self) -> tuple[int, ...]:
+        """Strides of the source branch per stage: products of the later upsample rates ((15, 3, 1))."""
+        return tuple(math.prod(self.upsample_rates[i + 1:]) for i in range(len(self.upsample_rates)))
+
     def channels(self, stage: int) -> int:
         """Channel width after upsampling stage ``stage`` (256, 128, 64)."""
         return self.base_channels // 2 ** (stage + 1)

@@ -58,6 +58,11 @@ def _conv_as_matmul(conv: CausalConv1d, x: torch.Tensor, pad_right: bool) -> tor
         x = F.pad(x, (pad, 0))
     elif pad_right:
         x = F.pad(x, (0, pad))
+    return matmul_conv(conv, x)
+
+
+def matmul_conv(conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
+    """An unpadded conv of ``x`` as shifted-slice concatenation + MatMul (ORT runs MatMul in float64 on the CPU)."""
     k = conv.kernel_size[0]
     steps = x.shape[2] - (k - 1) * conv.dilation[0]
     taps = [x[:, :, j * conv.dilation[0]: j * conv.dilation[0] + steps] for j in range(k)]

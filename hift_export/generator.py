@@ -40,12 +40,9 @@ class CausalHiFTGenerator(nn.Module):
         self.ups = nn.ModuleList(
             apply_weight_norm(CausalConv1dUpsample(c.base_channels // 2 ** i, c.channels(i), k, u), weight_norm_api)
             for i, (u, k) in enumerate(zip(c.upsample_rates, c.upsample_kernel_sizes)))
-        # Source branch strides: cumulative products of the reversed upsample rates ([15, 3, 1] for CosyVoice3).
-        downsample_rates = [1] + list(c.upsample_rates[::-1][:-1])
-        cumulative = [math.prod(downsample_rates[: i + 1]) for i in range(len(downsample_rates))][::-1]
         self.source_downs = nn.ModuleList()
         self.source_resblocks = nn.ModuleList()
-        for i, (u, k, d) in enumerate(zip(cumulative, c.source_resblock_kernel_sizes, c.source_resblock_dilation_sizes)):
+        for i, (u, k, d) in enumerate(zip(c.source_down_rates, c.source_resblock_kernel_sizes, c.source_resblock_dilation_sizes)):
             if u == 1:
                 self.source_downs.append(CausalConv1d(bins2, c.channels(i), 1, causal_type="left"))
             else:

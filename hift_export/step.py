@@ -1,0 +1,246 @@
+"""The stateful step: the generator and the F0 predictor computing only new frames, every layer's left context
+carried as an explicit, named cache (see ``../shared/spec/stateful-step.md`` for the inventory).
+
+A stream is a sequence of steps over consecutive frame ranges. Frame ``t`` of a step is a ``conv_pre`` output frame
+(= a mel frame). A **generator step** over frames ``[a, a+c)`` takes
+
+* ``mel [B, 80, c+4]``: mel frames ``[a, a+c+4)`` (the 4 extra are ``conv_pre``'s look-ahead; they are passed again
+  as the first 4 frames of the next step, so the graph never computes a frame before the utterance start);
+* ``f0 [B, c+1]`` and ``noise [B, 480(c+1), 9]``: frames ``[a, a+c+1)`` (the source STFT frame at the step's right
+  edge reads 8 samples of frame ``a+c``; that frame is computed again, identically, by the next step);
+* ``phase_in [B, 9]`` float64: the running phase sum at frame ``a-1`` (zeros at the start);
+* ``first [B, 1]`` bool: the utterance starts with this step (the two non-zero left edges: the reflection pad after
+  the last upsample reads ``x[1]``, the source STFT reflects samples 1..8);
+* every cache of :func:`generator_cache_layout` (zeros at the start reproduce every causal zero padding),
+
+and returns ``audio [B, 480c]`` (samples ``[480(a-1), 480(a+c-1))``: the audio lags by one frame, the iSTFT's
+overlap; on the first step the first 480 samples precede the utterance and are dropped by the caller),
+``phase_out [B, 9]`` (the sum at frame ``a+c-1``) and the updated caches.
+
+The **final step** covers the last frames ``[a, N)``: ``mel [B, 80, c]`` (zero look-ahead, upstream's
+``finalize=True``), ``f0 [B, c]``, ``noise [B, 480c, 9]``; the source STFT reflects its last samples, the iSTFT emits
+its tail with the partial envelope and the centring trim, and the output is ``audio [B, 480(c+1)]`` (everything not
+yet emitted). A step of ``c`` frames has shapes that depend on ``c`` alone.
+
+An **F0 step** over frames ``[k, k+c)`` takes ``mel [B, 80, c+3]`` (frames ``[k, k+c+3)``, look-ahead included;
+3 zero frames at the end of the utterance) and the input of each causal layer's last 2 frames, and returns
+``f0 [B, c]`` float32 and the updated caches (in the predictor's precision).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import HiFTConfig
+from .f0_predictor import CausalF0Predictor, matmul_conv
+from .generator import CausalHiFTGenerator
+from .layers import CausalConv1d, ResBlock, nearest_upsample
+
+# ---- cache layout: names, per-stream shapes, dtypes and initial values; written into the manifest -------------------
+CACHE_PREFIX = "cache."
+NEXT_PREFIX = "next."
+
+
+def _resblock_layout(prefix: str, channels: int, kernel: int, dilations: Sequence[int]) -> list[tuple[str, list[int]]]:
+    out = []
+    for j, d in enumerate(dilations):
+        out.append((f"{prefix}.{j}.conv1", [channels, (kernel - 1) * d]))
+        out.append((f"{prefix}.{j}.conv2", [channels, kernel - 1]))
+    return out
+
+
+def generator_cache_layout(config: HiFTConfig) -> list[dict[str, Any]]:
+    """Every cache of the generator step, in graph order: ``{name, shape (per stream), dtype, init}``.
+
+    ``init`` is ``"zeros"`` for all of them: the utterance start is the ``first`` input, not a cache value.
+    """
+    c = config
+    entries: list[tuple[str, list[int], str]] = []
+    channels_in = c.base_channels
+    downs = c.source_down_rates
+    bins2 = 2 * c.stft_bins
+    for i, (u, k) in enumerate(zip(c.upsample_rates, c.upsample_kernel_sizes)):
+        entries.append((f"ups.{i}", [channels_in, k - 1], "float32"))
+        if downs[i] > 1:
+            entries.append((f"source_downs.{i}", [bins2, downs[i] - 1], "float32"))
+        for name, shape in _resblock_layout(f"source_resblocks.{i}", c.channels(i), c.source_resblock_kernel_sizes[i],
+                                            c.source_resblock_dilation_sizes[i]):
+            entries.append((name, shape, "float32"))
+        for j, (kr, dr) in enumerate(zip(c.resblock_kernel_sizes, c.resblock_dilation_sizes)):
+            for name, shape in _resblock_layout(f"resblocks.{i * len(c.resblock_kernel_sizes) + j}", c.channels(i),
+                                                kr, dr):
+                entries.append((name, shape, "float32"))
+        channels_in = c.channels(i)
+    last = c.channels(len(c.upsample_rates) - 1)
+    entries += [
+        ("reflect", [last, 1], "float32"),  # the one-sample delay of ReflectionPad1d((1, 0))
+        ("source", [1, c.n_fft // 2], "float32"),  # source samples before the step (the STFT's left context)
+        ("conv_post", [last, 6], "float32"),
+        ("istft_tail", [1, c.n_fft - c.hop_len], "float32"),  # overlap-add partial sums past the step
+        ("audio_delay", [1, c.samples_per_frame - c.n_fft // 2], "float32"),  # finished, not yet emitted (1 frame lag)
+    ]
+    return [{"name": n, "shape": s, "dtype": d, "init": "zeros"} for n, s, d in entries]
+
+
+def f0_cache_layout(config: HiFTConfig, dtype: str) -> list[dict[str, Any]]:
+    """Caches of the F0 step: the last ``k-1`` input frames of each causal conv, in the predictor's precision."""
+    return [{"name": f"f0.condnet.{2 * i}", "shape": [config.f0_cond_channels, config.f0_kernel - 1], "dtype": dtype,
+             "init": "zeros"} for i in range(1, config.f0_num_layers)]
+
+
+# ---- the eager step ----------------------------------------------------------------------------------------------------
+def _cached_conv(conv: nn.Conv1d, x: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A causal conv continued from its left context: ``conv(cat(cache, x))`` without padding, and the new cache."""
+    full = torch.cat([cache, x], dim=-1)
+    y = F.conv1d(full, conv.weight, conv.bias, stride=conv.stride, dilation=conv.dilation)
+    return y, full[..., full.shape[-1] - cache.shape[-1]:]
+
+
+def _resblock_step(block: ResBlock, x: torch.Tensor, prefix: str, caches: dict[str, torch.Tensor],
+                   new: dict[str, torch.Tensor]) -> torch.Tensor:
+    for j, (conv1, conv2, act1, act2) in enumerate(zip(block.convs1, block.convs2, block.activations1,
+                                                       block.activations2)):
+        h, new[f"{prefix}.{j}.conv1"] = _cached_conv(conv1, act1(x), caches[f"{prefix}.{j}.conv1"])
+        h, new[f"{prefix}.{j}.conv2"] = _cached_conv(conv2, act2(h), caches[f"{prefix}.{j}.conv2"])
+        x = h + x
+    return x
+
+
+def generator_step(gen: CausalHiFTGenerator, mel: torch.Tensor, f0: torch.Tensor, noise: torch.Tensor,
+                   phase_in: torch.Tensor, first: torch.Tensor, caches: dict[str, torch.Tensor],
+                   final: bool) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """One generator step (see the module docstring). Returns ``(audio, phase_out, new caches)``; the final step
+    returns no caches."""
+    if gen.spectral.mode != "conv":
+        raise ValueError("the step form needs the generator built with spectral='conv'")
+    cfg = gen.config
+    new: dict[str, torch.Tensor] = {}
+    first3 = first.reshape(-1, 1, 1)
+    half = cfg.n_fft // 2
+
+    # Source: frames [a, a+c+1) (stream) or [a, N) (final); the STFT frames [120a, 120(a+c)] from it.
+    source, cum = gen.m_source(f0, noise, phase_in)
+    phase_out = cum[:, -1] if final else cum[:, -2]
+    steps = mel.shape[-1] if final else mel.shape[-1] - cfg.conv_pre_look_right  # c
+    spf = cfg.samples_per_frame
+    head = torch.where(first3, torch.flip(source[..., 1:half + 1], dims=[-1]), caches["source"])
+    if final:
+        src = torch.cat([head, source, torch.flip(source[..., -half - 1:-1], dims=[-1])], dim=-1)
+    else:
+        src = torch.cat([head, source[..., : spf * steps + half]], dim=-1)
+        new["source"] = source[..., spf * steps - half: spf * steps]
+    s_stft = F.conv1d(src, gen.spectral.stft_kernel, stride=cfg.hop_len)  # 120c + 1 frames
+
+    x = gen.conv_pre(mel, pad_right=final)
+    last = len(gen.ups) - 1
+    downs = cfg.source_down_rates
+    for i, up in enumerate(gen.ups):
+        x = F.leaky_relu(x, cfg.lrelu_slope)
+        x, new[f"ups.{i}"] = _cached_conv(up, nearest_upsample(x, up.upsample_factor), caches[f"ups.{i}"])
+        if i == last:
+            delayed = torch.where(first3, x[..., 1:2], caches["reflect"])
+            new["reflect"] = x[..., -1:]
+            x = torch.cat([delayed, x if final else x[..., :-1]], dim=-1)
+        down = gen.source_downs[i]
+        if downs[i] > 1:
+            key = f"source_downs.{i}"
+            full = torch.cat([caches[key], s_stft], dim=-1)
+            si = F.conv1d(full, down.weight, down.bias, stride=down.stride)
+            new[key] = full[..., full.shape[-1] - caches[key].shape[-1] - 1: -1]
+        else:
+            si = down(s_stft if final else s_stft[..., :-1])
+        si = _resblock_step(gen.source_resblocks[i], si, f"source_resblocks.{i}", caches, new)
+        x = x + si
+        xs = None
+        for j in range(gen.num_kernels):
+            k = i * gen.num_kernels + j
+            out = _resblock_step(gen.resblocks[k], x, f"resblocks.{k}", caches, new)
+            xs = out if xs is None else xs + out
+        x = xs / gen.num_kernels
+    x = F.leaky_relu(x, cfg.post_lrelu_slope)
+    x, new["conv_post"] = _cached_conv(gen.conv_post, x, caches["conv_post"])
+
+    # iSTFT: overlap-add of this step's frames, plus the carried partial sums; the envelope (sum of squared windows)
+    # is that of the frames that exist: none before the utterance start, none past its end.
+    bins = cfg.stft_bins
+    magnitude = torch.clip(torch.exp(x[:, :bins, :]), max=1e2)
+    phase = torch.sin(x[:, bins:, :])
+    frames = torch.cat([magnitude * torch.cos(phase), magnitude * torch.sin(phase)], dim=1)
+    y = F.conv_transpose1d(frames, gen.spectral.istft_kernel, stride=cfg.hop_len)  # [B, 1, 4F + 12]
+    overlap = cfg.n_fft - cfg.hop_len
+    y = torch.cat([y[..., :overlap] + caches["istft_tail"], y[..., overlap:]], dim=-1)
+    before = overlap // cfg.hop_len  # frames before this step that still reach its samples (3)
+    exists = torch.cat([torch.where(first3, 0.0, 1.0).expand(-1, 1, before), torch.ones_like(x[:, :1, :])], dim=-1)
+    envelope = F.conv_transpose1d(exists, gen.spectral.window_sq, stride=cfg.hop_len)[..., overlap:]
+    if final:
+        done = y[..., : y.shape[-1] - half] / envelope[..., : y.shape[-1] - half]
+    else:
+        done = y[..., : spf * steps] / envelope[..., : spf * steps]
+        new["istft_tail"] = y[..., spf * steps:]
+    audio = torch.cat([caches["audio_delay"], done], dim=-1)
+    if not final:
+        new["audio_delay"] = audio[..., spf * steps:]
+        audio = audio[..., : spf * steps]
+    audio = torch.clamp(audio[:, 0, :], -cfg.audio_limit, cfg.audio_limit)
+    return audio, phase_out, ({} if final else new)
+
+
+def f0_step(predictor: CausalF0Predictor, mel: torch.Tensor,
+            caches: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One F0 step: ``mel [B, 80, c+3]`` -> ``f0 [B, c]`` float32 and the new caches (see the module docstring)."""
+    x = mel.to(predictor.classifier.weight.dtype)
+    new: dict[str, torch.Tensor] = {}
+    for i, layer in enumerate(predictor.condnet):
+        if isinstance(layer, CausalConv1d):
+            if i > 0:
+                key = f"f0.condnet.{i}"
+                x = torch.cat([caches[key], x], dim=-1)
+                new[key] = x[..., x.shape[-1] - caches[key].shape[-1]:]
+            if predictor.impl == "torch":
+                x = F.conv1d(x, layer.weight, layer.bias, dilation=layer.dilation)
+            else:
+                x = matmul_conv(layer, x)
+        elif predictor.impl == "torch":
+            x = layer(x)
+        else:  # ELU(alpha=1), as the float64 graph computes it
+            x = torch.where(x > 0, x, torch.exp(x) - 1)
+    f0 = torch.abs(predictor.classifier(x.transpose(1, 2)).squeeze(-1))
+    return f0.to(torch.float32), new
+
+
+def zero_caches(layout: Sequence[dict[str, Any]], batch: int, device: Any = "cpu") -> dict[str, torch.Tensor]:
+    dtypes = {"float32": torch.float32, "float64": torch.float64}
+    return {e["name"]: torch.zeros(batch, *e["shape"], dtype=dtypes[e["dtype"]], device=device) for e in layout}
+
+
+# ---- graph wrappers: one forward = one exported graph; caches as a flat list in layout order ---------------------------
+class GeneratorStepGraph(nn.Module):
+    def __init__(self, generator: CausalHiFTGenerator, final: bool) -> None:
+        super().__init__()
+        self.generator, self.final = generator, final
+        self.names = [e["name"] for e in generator_cache_layout(generator.config)]
+
+    def forward(self, mel: torch.Tensor, f0: torch.Tensor, noise: torch.Tensor, phase_in: torch.Tensor,
+                first: torch.Tensor, caches: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        audio, phase_out, new = generator_step(self.generator, mel, f0, noise, phase_in, first,
+                                               dict(zip(self.names, caches)), self.final)
+        if self.final:
+            return audio, phase_out
+        return (audio, phase_out, *[new[n] for n in self.names])
+
+
+class F0StepGraph(nn.Module):
+    def __init__(self, predictor: CausalF0Predictor, config: HiFTConfig, dtype: str) -> None:
+        super().__init__()
+        self.predictor = predictor
+        self.names = [e["name"] for e in f0_cache_layout(config, dtype)]
+
+    def forward(self, mel: torch.Tensor, caches: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        f0, new = f0_step(self.predictor, mel, dict(zip(self.names, caches)))
+        return (f0, *[new[n] for n in self.names])
+
