@@ -1,5 +1,5 @@
 """Eager PyTorch as a :class:`hift_runtime.streaming.VocoderBackend`: the reference the ORT runtime is checked
-against, driven by the very same streaming bookkeeping."""
+against, driven by the very same streaming bookkeeping and the very same step (:mod:`hift_export.step`)."""
 
 from __future__ import annotations
 
@@ -10,32 +10,45 @@ from hift_runtime.noise import NoiseTable
 from hift_runtime.streaming import StreamConstants, StreamingVocoder
 
 from .model import HiFT
+from .step import f0_step, generator_step, step_contract, zero_caches
 
 
 class TorchBackend:
-    """Folded eager modules. F0 on the CPU in the predictor's precision, the generator on its device."""
+    """Folded eager modules. F0 on the CPU in the predictor's precision, the generator on its device; caches stay
+    there as tensors."""
 
     def __init__(self, hift: HiFT) -> None:
+        if hift.generator.spectral.mode != "conv":
+            raise ValueError("the step needs the generator built with spectral='conv' (load_hift(..., spectral='conv'))")
         self.hift = hift
         self.name = f"torch[{hift.device.type}]"
+        self.contract = step_contract(hift.config, str(hift.f0_predictor.classifier.weight.dtype).removeprefix("torch."))
+
+    def new_caches(self, kind: str, batch: int = 1) -> dict[str, torch.Tensor]:
+        if kind == "generator":
+            return zero_caches(self.contract["generator_caches"], batch, self.hift.device)
+        return zero_caches(self.contract["f0_caches"], batch)
 
     @torch.inference_mode()
-    def predict_f0(self, mel: np.ndarray) -> np.ndarray:
-        f0 = self.hift.f0_predictor(torch.from_numpy(mel), finalize=False)
-        return f0.to(torch.float32).numpy()
+    def f0_step(self, mel: np.ndarray, caches: dict[str, torch.Tensor]) -> tuple[np.ndarray, dict[str, torch.Tensor]]:
+        f0, nxt = f0_step(self.hift.f0_predictor, torch.from_numpy(mel), caches)
+        return f0.numpy(), nxt
 
     @torch.inference_mode()
-    def generate(self, mel: np.ndarray, f0: np.ndarray, noise: np.ndarray, phase_in: np.ndarray,
-                 finalize: bool) -> tuple[np.ndarray, np.ndarray]:
+    def generator_step(self, mel: np.ndarray, f0: np.ndarray, noise: np.ndarray, phase_in: np.ndarray,
+                       first: np.ndarray, caches: dict[str, torch.Tensor],
+                       final: bool) -> tuple[np.ndarray, np.ndarray, dict[str, torch.Tensor]]:
         dev = self.hift.device
-        audio, phase = self.hift.generator.decode(
-            torch.from_numpy(mel).to(dev), torch.from_numpy(f0).to(dev), torch.from_numpy(noise).to(dev),
-            torch.from_numpy(phase_in).to(dev), finalize=finalize)
-        return audio.cpu().numpy(), phase.cpu().numpy()
+        audio, phase, nxt = generator_step(
+            self.hift.generator, torch.from_numpy(mel).to(dev), torch.from_numpy(f0).to(dev),
+            torch.from_numpy(noise).to(dev), torch.from_numpy(phase_in).to(dev), torch.from_numpy(first).to(dev),
+            caches, final)
+        return audio.cpu().numpy(), phase.cpu().numpy(), nxt
 
 
-def torch_vocoder(hift: HiFT, noise: NoiseTable | None = None, noise_seed: int = 0,
-                  window_frames: int | None = None, phase: str = "upstream") -> StreamingVocoder:
+def torch_vocoder(hift: HiFT, noise: NoiseTable | None = None, noise_seed: int = 0, phase: str = "upstream",
+                  step_sizes: tuple[int, ...] | None = None) -> StreamingVocoder:
     """A :class:`StreamingVocoder` over eager PyTorch, constants from the model's config (same code path)."""
-    return StreamingVocoder(TorchBackend(hift), StreamConstants.from_config(hift.config.to_dict(), window_frames),
-                            noise=noise, noise_seed=noise_seed, phase=phase)
+    backend = TorchBackend(hift)
+    return StreamingVocoder(backend, StreamConstants.from_manifest(hift.config.to_dict(), backend.contract),
+                            noise=noise, noise_seed=noise_seed, phase=phase, step_sizes=step_sizes)

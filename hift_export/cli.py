@@ -25,11 +25,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--opset", type=int, default=18, help="ONNX opset, >= 18 (default 18)")
     p.add_argument("--f0-precision", default="fp64", choices=["fp64", "fp32"],
                    help="arithmetic inside the F0 graph (inputs/outputs are float32 either way): fp64 reproduces "
-                        "upstream's float64 F0 exactly (default); fp32 is ~20%% faster but length-dependent rounding "
-                        "costs ~10 dB of streaming parity")
+                        "upstream's float64 F0 exactly (default); fp32 is ~20%% faster but its length-dependent "
+                        "rounding makes streamed audio differ from one pass by ~1e-3 (50 dB)")
     p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="seed of the random default weights")
-    p.add_argument("--window-frames", type=int, default=COSYVOICE3.window_frames,
-                   help="default streaming window history recorded in the manifest (frames, default 64)")
     p.add_argument("--reduced", action="store_true", help=argparse.SUPPRESS)  # narrow test config
     return p
 
@@ -37,15 +35,12 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
-    if args.window_frames < 1:
-        print("hift-export: error: --window-frames must be >= 1", file=sys.stderr)
-        return 2
     try:
         from .export import ExportError, export_artifacts
 
         config = COSYVOICE3.reduced() if args.reduced else COSYVOICE3
         export_artifacts(args.checkpoint, args.out, formats=formats, opset=args.opset, f0_precision=args.f0_precision,
-                         config=config, seed=args.seed, window_frames=args.window_frames)
+                         config=config, seed=args.seed)
     except (CheckpointError, ExportError, ValueError, OSError) as exc:
         print(f"hift-export: error: {exc}", file=sys.stderr)
         return 2

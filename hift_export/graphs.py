@@ -1,7 +1,8 @@
 """The exported call signatures: thin ``nn.Module`` wrappers whose ``forward`` is exactly one graph.
 
-Input/output names are defined here once; the exporter writes them into the manifest and the runtime reads them
-from there.
+Input/output names are defined here once; the exporter writes them into the manifest and the runtime reads them from
+there. Caches travel as one flat list in the order of their layout (:mod:`hift_export.step`); in a graph each cache is
+an input ``cache.NAME`` and an output ``next.NAME`` of the same shape.
 """
 
 from __future__ import annotations
@@ -9,40 +10,51 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .config import HiFTConfig
 from .f0_predictor import CausalF0Predictor
 from .generator import CausalHiFTGenerator
+from .step import f0_cache_layout, f0_step, generator_cache_layout, generator_step
 
-GENERATOR_INPUTS = ("mel", "f0", "noise", "phase_in")
-GENERATOR_OUTPUTS = ("audio", "phase_out")
-F0_INPUTS = ("mel",)
-F0_OUTPUTS = ("f0",)
+CACHE_PREFIX = "cache."
+NEXT_PREFIX = "next."
+GENERATOR_STEP_INPUTS = ("mel", "f0", "noise", "phase_in", "first")
+GENERATOR_STEP_OUTPUTS = ("audio", "phase_out")
+F0_STEP_INPUTS = ("mel",)
+F0_STEP_OUTPUTS = ("f0",)
 
 
-class GeneratorGraph(nn.Module):
-    """``(mel [B,80,N], f0 [B,N], noise [B,480N,9], phase_in [B,9] f64) -> (audio, phase_out [B,N,9] f64)``.
+def cache_io_names(layout: list[dict]) -> tuple[list[str], list[str]]:
+    """(input names, output names) of a cache layout."""
+    return [CACHE_PREFIX + e["name"] for e in layout], [NEXT_PREFIX + e["name"] for e in layout]
 
-    ``finalize=False`` (stream): the last 4 frames are ``conv_pre`` look-ahead, audio is ``480(N-5)`` samples.
-    ``finalize=True`` (final): zero look-ahead, audio is ``480N`` samples.
-    """
 
-    def __init__(self, generator: CausalHiFTGenerator, finalize: bool) -> None:
+class GeneratorStepGraph(nn.Module):
+    """``generator_step`` with the caches as a flat list; the final step returns no caches."""
+
+    def __init__(self, generator: CausalHiFTGenerator, final: bool) -> None:
         super().__init__()
         if generator.spectral.mode != "conv":
             raise ValueError("export the generator with spectral='conv' (ONNX has no iSTFT; STFT has no CUDA kernel)")
-        self.generator = generator
-        self.finalize = finalize
+        self.generator, self.final = generator, final
+        self.names = [e["name"] for e in generator_cache_layout(generator.config)]
 
-    def forward(self, mel: torch.Tensor, f0: torch.Tensor, noise: torch.Tensor,
-                phase_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.generator.decode(mel, f0, noise, phase_in, finalize=self.finalize)
+    def forward(self, mel: torch.Tensor, f0: torch.Tensor, noise: torch.Tensor, phase_in: torch.Tensor,
+                first: torch.Tensor, caches: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        audio, phase_out, new = generator_step(self.generator, mel, f0, noise, phase_in, first,
+                                               dict(zip(self.names, caches)), self.final)
+        if self.final:
+            return audio, phase_out
+        return (audio, phase_out, *[new[n] for n in self.names])
 
 
-class F0Graph(nn.Module):
-    """``mel [B,80,T] -> f0 [B,T-3]`` float32 (streaming form; the final form is this on mel + 3 zero frames)."""
+class F0StepGraph(nn.Module):
+    """``f0_step`` with the caches as a flat list: ``(mel, caches) -> (f0 float32, *next caches)``."""
 
-    def __init__(self, f0_predictor: CausalF0Predictor) -> None:
+    def __init__(self, predictor: CausalF0Predictor, config: HiFTConfig, dtype: str) -> None:
         super().__init__()
-        self.f0_predictor = f0_predictor
+        self.predictor = predictor
+        self.names = [e["name"] for e in f0_cache_layout(config, dtype)]
 
-    def forward(self, mel: torch.Tensor) -> torch.Tensor:
-        return self.f0_predictor(mel, finalize=False).to(torch.float32)
+    def forward(self, mel: torch.Tensor, caches: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        f0, new = f0_step(self.predictor, mel, dict(zip(self.names, caches)))
+        return (f0, *[new[n] for n in self.names])

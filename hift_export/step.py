@@ -41,11 +41,25 @@ from .f0_predictor import CausalF0Predictor, matmul_conv
 from .generator import CausalHiFTGenerator
 from .layers import CausalConv1d, ResBlock, nearest_upsample
 
+# The step's alignment, beyond the config's look-aheads: a step over frames [a, a+c) reads the source of frame a+c
+# (its last STFT frame needs 8 samples of it), and its audio lags by one frame (the iSTFT's overlap).
+SOURCE_LOOK_AHEAD_FRAMES = 1
+AUDIO_LAG_FRAMES = 1
+
+
+def step_contract(config: HiFTConfig, f0_dtype: str) -> dict[str, Any]:
+    """What a runtime (or any engine) needs to drive the step graphs; written into the manifest."""
+    return {
+        "mel_look_ahead_frames": config.conv_pre_look_right,
+        "source_look_ahead_frames": SOURCE_LOOK_AHEAD_FRAMES,
+        "audio_lag_frames": AUDIO_LAG_FRAMES,
+        "f0_look_ahead_frames": config.f0_look_ahead,
+        "generator_caches": generator_cache_layout(config),
+        "f0_caches": f0_cache_layout(config, f0_dtype),
+    }
+
+
 # ---- cache layout: names, per-stream shapes, dtypes and initial values; written into the manifest -------------------
-CACHE_PREFIX = "cache."
-NEXT_PREFIX = "next."
-
-
 def _resblock_layout(prefix: str, channels: int, kernel: int, dilations: Sequence[int]) -> list[tuple[str, list[int]]]:
     out = []
     for j, d in enumerate(dilations):
@@ -82,7 +96,7 @@ def generator_cache_layout(config: HiFTConfig) -> list[dict[str, Any]]:
         ("source", [1, c.n_fft // 2], "float32"),  # source samples before the step (the STFT's left context)
         ("conv_post", [last, 6], "float32"),
         ("istft_tail", [1, c.n_fft - c.hop_len], "float32"),  # overlap-add partial sums past the step
-        ("audio_delay", [1, c.samples_per_frame - c.n_fft // 2], "float32"),  # finished, not yet emitted (1 frame lag)
+        ("audio_delay", [1, AUDIO_LAG_FRAMES * c.samples_per_frame - c.n_fft // 2], "float32"),  # finished, not yet emitted (1 frame lag)
     ]
     return [{"name": n, "shape": s, "dtype": d, "init": "zeros"} for n, s, d in entries]
 
@@ -98,7 +112,7 @@ def _cached_conv(conv: nn.Conv1d, x: torch.Tensor, cache: torch.Tensor) -> tuple
     """A causal conv continued from its left context: ``conv(cat(cache, x))`` without padding, and the new cache."""
     full = torch.cat([cache, x], dim=-1)
     y = F.conv1d(full, conv.weight, conv.bias, stride=conv.stride, dilation=conv.dilation)
-    return y, full[..., full.shape[-1] - cache.shape[-1]:]
+    return y, full[..., -cache.shape[-1]:]
 
 
 def _resblock_step(block: ResBlock, x: torch.Tensor, prefix: str, caches: dict[str, torch.Tensor],
@@ -151,7 +165,7 @@ def generator_step(gen: CausalHiFTGenerator, mel: torch.Tensor, f0: torch.Tensor
             key = f"source_downs.{i}"
             full = torch.cat([caches[key], s_stft], dim=-1)
             si = F.conv1d(full, down.weight, down.bias, stride=down.stride)
-            new[key] = full[..., full.shape[-1] - caches[key].shape[-1] - 1: -1]
+            new[key] = full[..., -caches[key].shape[-1] - 1: -1]
         else:
             si = down(s_stft if final else s_stft[..., :-1])
         si = _resblock_step(gen.source_resblocks[i], si, f"source_resblocks.{i}", caches, new)
@@ -200,7 +214,7 @@ def f0_step(predictor: CausalF0Predictor, mel: torch.Tensor,
             if i > 0:
                 key = f"f0.condnet.{i}"
                 x = torch.cat([caches[key], x], dim=-1)
-                new[key] = x[..., x.shape[-1] - caches[key].shape[-1]:]
+                new[key] = x[..., -caches[key].shape[-1]:]
             if predictor.impl == "torch":
                 x = F.conv1d(x, layer.weight, layer.bias, dilation=layer.dilation)
             else:
@@ -216,31 +230,3 @@ def f0_step(predictor: CausalF0Predictor, mel: torch.Tensor,
 def zero_caches(layout: Sequence[dict[str, Any]], batch: int, device: Any = "cpu") -> dict[str, torch.Tensor]:
     dtypes = {"float32": torch.float32, "float64": torch.float64}
     return {e["name"]: torch.zeros(batch, *e["shape"], dtype=dtypes[e["dtype"]], device=device) for e in layout}
-
-
-# ---- graph wrappers: one forward = one exported graph; caches as a flat list in layout order ---------------------------
-class GeneratorStepGraph(nn.Module):
-    def __init__(self, generator: CausalHiFTGenerator, final: bool) -> None:
-        super().__init__()
-        self.generator, self.final = generator, final
-        self.names = [e["name"] for e in generator_cache_layout(generator.config)]
-
-    def forward(self, mel: torch.Tensor, f0: torch.Tensor, noise: torch.Tensor, phase_in: torch.Tensor,
-                first: torch.Tensor, caches: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        audio, phase_out, new = generator_step(self.generator, mel, f0, noise, phase_in, first,
-                                               dict(zip(self.names, caches)), self.final)
-        if self.final:
-            return audio, phase_out
-        return (audio, phase_out, *[new[n] for n in self.names])
-
-
-class F0StepGraph(nn.Module):
-    def __init__(self, predictor: CausalF0Predictor, config: HiFTConfig, dtype: str) -> None:
-        super().__init__()
-        self.predictor = predictor
-        self.names = [e["name"] for e in f0_cache_layout(config, dtype)]
-
-    def forward(self, mel: torch.Tensor, caches: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        f0, new = f0_step(self.predictor, mel, dict(zip(self.names, caches)))
-        return (f0, *[new[n] for n in self.names])
-

@@ -1,7 +1,7 @@
 """The artifact manifest: written by ``hift_export``, read (and verified) here. NumPy-free, torch-free.
 
-The manifest is the runtime's only source of configuration: hyper-parameters, streaming constants, graph roles,
-input/output signatures and the sha256 of every file.
+The manifest is the runtime's only source of configuration: hyper-parameters, the step graphs' cache layout, graph
+roles, input/output signatures and the sha256 of every file.
 """
 
 from __future__ import annotations
@@ -9,19 +9,22 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 MANIFEST_NAME = "manifest.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: stateful step graphs (1: bounded-window graphs)
 METADATA_PREFIX = "hift."
 
 # Roles of the artifacts (keys of manifest["artifacts"]).
-GENERATOR_STREAM = "generator_stream"
-GENERATOR_FINAL = "generator_final"
-F0 = "f0"
+GENERATOR_STEP = "generator_step"
+GENERATOR_STEP_FINAL = "generator_step_final"
+F0_STEP = "f0_step"
 GENERATOR_WEIGHTS = "generator_weights"
+# What the ONNX Runtime backend loads, and so verifies at open time; TorchScript files are verified on request.
+RUNTIME_ROLES = (GENERATOR_STEP, GENERATOR_STEP_FINAL, GENERATOR_WEIGHTS, F0_STEP)
 
 
 class ArtifactError(RuntimeError):
@@ -46,8 +49,9 @@ class Manifest:
         return self.data["config"]
 
     @property
-    def streaming(self) -> dict[str, Any]:
-        return self.data["streaming"]
+    def step(self) -> dict[str, Any]:
+        """The step graphs' contract: cache layouts (name, per-stream shape, dtype, initial value)."""
+        return self.data["step"]
 
     def artifact(self, role: str) -> dict[str, Any]:
         try:
@@ -59,9 +63,24 @@ class Manifest:
     def path(self, role: str) -> Path:
         return self.root / self.artifact(role)["file"]
 
+    def verify(self, role: str) -> None:
+        """Check that ``role``'s file exists with the manifest's size and sha256; raise :class:`ArtifactError`."""
+        entry, file = self.artifact(role), self.path(role)
+        if not file.is_file():
+            raise ArtifactError(f"{file} ({role}) is listed in the manifest but missing; re-export or copy the "
+                                f"whole folder")
+        if file.stat().st_size != entry["bytes"]:
+            raise ArtifactError(f"{file} ({role}) has {file.stat().st_size} bytes, the manifest says "
+                                f"{entry['bytes']}: truncated or replaced; re-export")
+        digest = sha256_file(file)
+        if digest != entry["sha256"]:
+            raise ArtifactError(f"{file} ({role}) sha256 {digest[:16]}… does not match the manifest's "
+                                f"{entry['sha256'][:16]}…: the file was modified or damaged; re-export")
 
-def read_manifest(root: str | os.PathLike[str], verify_hashes: bool = True) -> Manifest:
-    """Read ``root/manifest.json``, check its format version and (by default) the sha256 of every listed file."""
+
+def read_manifest(root: str | os.PathLike[str], verify: Iterable[str] | str | None = "all") -> Manifest:
+    """Read ``root/manifest.json``, check its format version, and the size and sha256 of the files of the roles in
+    ``verify`` (``"all"``: every listed file; ``None``: none)."""
     root = Path(root)
     path = root / MANIFEST_NAME
     if not root.is_dir():
@@ -80,21 +99,10 @@ def read_manifest(root: str | os.PathLike[str], verify_hashes: bool = True) -> M
                             f"({FORMAT_VERSION}); upgrade hift-deploy or re-export with this version")
     if version < FORMAT_VERSION:
         raise ArtifactError(f"{path} has old format version {version} (this runtime reads {FORMAT_VERSION}); re-export")
-    for key in ("config", "streaming", "artifacts"):
+    for key in ("config", "step", "artifacts"):
         if key not in data:
             raise ArtifactError(f"{path} lacks the '{key}' section; re-export")
     manifest = Manifest(root, data)
-    if verify_hashes:
-        for role, entry in data["artifacts"].items():
-            file = root / entry["file"]
-            if not file.is_file():
-                raise ArtifactError(f"{file} ({role}) is listed in the manifest but missing; re-export or copy the "
-                                    f"whole folder")
-            if file.stat().st_size != entry["bytes"]:
-                raise ArtifactError(f"{file} ({role}) has {file.stat().st_size} bytes, the manifest says "
-                                    f"{entry['bytes']}: truncated or replaced; re-export")
-            digest = sha256_file(file)
-            if digest != entry["sha256"]:
-                raise ArtifactError(f"{file} ({role}) sha256 {digest[:16]}… does not match the manifest's "
-                                    f"{entry['sha256'][:16]}…: the file was modified or damaged; re-export")
+    for role in (list(data["artifacts"]) if verify == "all" else list(verify or ())):
+        manifest.verify(role)
     return manifest

@@ -1,48 +1,45 @@
-"""ONNX Runtime sessions for an artifacts folder: the F0 graph on the CPU EP, the generator on the CUDA EP when
-usable (else the CPU EP, said in one log line). Every constant comes from the manifest."""
+"""ONNX Runtime sessions for an artifacts folder: the F0 step on the CPU EP, the generator steps on the CUDA EP when
+usable (else the CPU EP, said in one log line). Every constant and every cache comes from the manifest."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
-import threading
-from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 import onnxruntime as ort
 
-from .manifest import (F0, GENERATOR_FINAL, GENERATOR_STREAM, METADATA_PREFIX, ArtifactError, Manifest,
-                       read_manifest)
+from .manifest import (F0_STEP, GENERATOR_STEP, GENERATOR_STEP_FINAL, GENERATOR_WEIGHTS, METADATA_PREFIX,
+                       ArtifactError, Manifest, read_manifest)
 from .noise import NoiseTable
-from .streaming import StreamConstants, StreamingVocoder
+from .streaming import CacheSpec, StreamConstants, StreamingVocoder
 
 log = logging.getLogger("hift_runtime")
 Device = Literal["auto", "cuda", "cpu"]
+DEVICES = ("auto", "cuda", "cpu")
 CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
+CACHE_PREFIX, NEXT_PREFIX = "cache.", "next."
+# ONNX Runtime's own warnings (e.g. "No registered plugin EP device found" for every CUDA session) are not the
+# user's concern; errors still surface as exceptions.
+ort.set_default_logger_severity(3)
 
 
 @dataclass(frozen=True)
 class CudaOptions:
     """CUDA EP settings. TF32 is off by default (parity); HEURISTIC avoids re-benchmarking every new shape.
 
-    ``shape_sessions``: the CUDA EP rebuilds every conv's cuDNN state whenever a session sees a window length other
-    than its previous one (~180 ms on an H200 for this graph, measured: benchmarks/results/gpu-h200-shape-probe.json).
-    Window lengths recur (a stream's first chunks, the steady state), so a length seen twice gets a session of its
-    own, up to this many per graph (each holds one 70 MB copy of the weights on the device); other lengths share
-    one session. 0 disables the pool.
+    ``step_sizes``: a push becomes generator steps of these frame counts, so the GPU sees a few fixed shapes (the
+    CUDA EP rebuilds every conv's cuDNN state when a session meets a new shape, ~180 ms on an H200); it must contain 1.
     """
 
     device_id: int = 0
     use_tf32: bool = False
     cudnn_conv_algo_search: str = "HEURISTIC"
-    shape_sessions: int = 8
-    # Dedicated sessions fixed to their shape and replayed as CUDA graphs (measured 5.3 vs 6.6 ms per window on an
-    # H200, BENCHMARKS.md arm d). Off by default until it has run in more places than one benchmark.
-    cuda_graphs: bool = False
+    step_sizes: tuple[int, ...] = (24, 16, 8, 4, 2, 1)
 
     def provider_options(self) -> dict[str, str]:
         return {"device_id": str(self.device_id), "use_tf32": "1" if self.use_tf32 else "0",
@@ -54,19 +51,30 @@ def _nvidia_driver_present() -> bool:
     return os.path.exists("/proc/driver/nvidia/version") or os.path.exists("/dev/nvidiactl")
 
 
-def _check_signature(session: ort.InferenceSession, entry: dict[str, Any], path: os.PathLike[str] | str) -> None:
-    def sig(values: Any) -> list[tuple[str, str]]:
-        return [(v.name, v.type) for v in values]
+def _ort_type(dtype: str) -> str:  # the manifest spells NumPy dtypes; ORT spells ONNX element types
+    return f"tensor({ {'float32': 'float', 'float64': 'double'}.get(dtype, dtype)})"
 
-    def ort_type(dtype: str) -> str:  # manifest spells NumPy dtypes; ORT spells ONNX element types
-        return f"tensor({ {'float32': 'float', 'float64': 'double'}.get(dtype, dtype)})"
 
-    want_in = [(v["name"], ort_type(v["dtype"])) for v in entry["inputs"]]
-    want_out = [(v["name"], ort_type(v["dtype"])) for v in entry["outputs"]]
-    got_in, got_out = sig(session.get_inputs()), sig(session.get_outputs())
+def _check_signature(session: ort.InferenceSession, entry: dict[str, Any], caches: tuple[CacheSpec, ...],
+                     path: Any) -> None:
+    """The graph's inputs and outputs are the manifest's, and every cache input/output has the layout's shape."""
+    got_in = [(v.name, v.type) for v in session.get_inputs()]
+    got_out = [(v.name, v.type) for v in session.get_outputs()]
+    want_in = [(v["name"], _ort_type(v["dtype"])) for v in entry["inputs"]]
+    want_out = [(v["name"], _ort_type(v["dtype"])) for v in entry["outputs"]]
     if got_in != want_in or got_out != want_out:
         raise ArtifactError(f"{path}: graph signature inputs {got_in} -> outputs {got_out} differs from the "
                             f"manifest's {want_in} -> {want_out}; the file does not belong to this manifest")
+    shapes = {v.name: v.shape[1:] for v in [*session.get_inputs(), *session.get_outputs()]}
+    for spec in caches:
+        for name in (CACHE_PREFIX + spec.name, NEXT_PREFIX + spec.name):
+            if name in shapes and (list(shapes[name]) != list(spec.shape)
+                                   or dict(got_in + got_out)[name] != _ort_type(spec.dtype)):
+                raise ArtifactError(f"{path}: {name} is {shapes[name]} {dict(got_in + got_out)[name]}, the "
+                                    f"manifest's cache layout says {list(spec.shape)} {spec.dtype}; re-export")
+        if CACHE_PREFIX + spec.name not in shapes:
+            raise ArtifactError(f"{path} has no input {CACHE_PREFIX + spec.name} from the manifest's cache layout; "
+                                f"the file does not belong to this manifest")
 
 
 def _check_metadata(session: ort.InferenceSession, manifest: Manifest, path: Any) -> None:
@@ -74,109 +82,51 @@ def _check_metadata(session: ort.InferenceSession, manifest: Manifest, path: Any
     raw = meta.get(METADATA_PREFIX + "config")
     if raw is None:
         raise ArtifactError(f"{path} carries no {METADATA_PREFIX}config metadata: not written by hift-export")
-    if json.loads(raw) != manifest.config:
-        raise ArtifactError(f"{path}: the config in the graph's metadata differs from manifest.json; the folder mixes "
-                            f"files of two exports; re-export")
+    if json.loads(raw) != manifest.config or json.loads(meta.get(METADATA_PREFIX + "step", "null")) != manifest.step:
+        raise ArtifactError(f"{path}: the config or step contract in the graph's metadata differs from manifest.json; "
+                            f"the folder mixes files of two exports; re-export")
 
 
-class _BoundRunner:
-    """A dynamic-shape CUDA session run with IO binding: one host->device copy per input, outputs on the device
-    copied back once."""
+class _StepSession:
+    """One step graph: named inputs in, named outputs out; caches as a dict of per-name arrays."""
 
-    def __init__(self, session: ort.InferenceSession, device_id: int) -> None:
-        self.session, self.device_id = session, device_id
+    def __init__(self, session: ort.InferenceSession, caches: tuple[CacheSpec, ...]) -> None:
+        self.session = session
+        self.caches = caches
+        self.outputs = [o.name for o in session.get_outputs()]
+        self.has_next = any(name.startswith(NEXT_PREFIX) for name in self.outputs)
 
-    def run(self, feed: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        binding = self.session.io_binding()
-        for name, value in feed.items():
-            binding.bind_cpu_input(name, np.ascontiguousarray(value))
-        for out in self.session.get_outputs():
-            binding.bind_output(out.name, "cuda", self.device_id)
-        self.session.run_with_iobinding(binding)
-        audio, phase = binding.copy_outputs_to_cpu()
-        return audio, phase
-
-
-class _GraphRunner:
-    """A session fixed to one input shape (free-dimension overrides fold the shape arithmetic onto the device) and
-    replayed as a CUDA graph over persistent device buffers. Calls are serialised: the buffers are shared."""
-
-    def __init__(self, make_session: Any, entry: dict[str, Any], feed: dict[str, np.ndarray], device_id: int,
-                 output_shapes: dict[str, tuple[int, ...]]) -> None:
-        overrides: dict[str, int] = {}
-        for spec in entry["inputs"]:
-            for dim, size in zip(spec["shape"], feed[spec["name"]].shape):
-                if isinstance(dim, str):
-                    overrides[dim] = int(size)
-        self.session = make_session(overrides)
-        self._lock = threading.Lock()
-        self._inputs = {k: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v), "cuda", device_id)
-                        for k, v in feed.items()}
-        dtypes = {o["name"]: np.dtype(o["dtype"]) for o in entry["outputs"]}
-        self._outputs = {k: ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtypes[k], "cuda", device_id)
-                         for k, shape in output_shapes.items()}
-        self._binding = self.session.io_binding()
-        for k, v in self._inputs.items():
-            self._binding.bind_ortvalue_input(k, v)
-        for k, v in self._outputs.items():
-            self._binding.bind_ortvalue_output(k, v)
-
-    def run(self, feed: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        with self._lock:
-            for k, v in feed.items():
-                self._inputs[k].update_inplace(np.ascontiguousarray(v))
-            self.session.run_with_iobinding(self._binding)
-            return self._outputs["audio"].numpy(), self._outputs["phase_out"].numpy()
-
-
-class _ShapeSessionPool:
-    """One shared runner plus dedicated runners for recurring input shapes (LRU-bounded)."""
-
-    def __init__(self, shared: Any, make_dedicated: Any, limit: int, promote_after: int = 2) -> None:
-        self.shared, self._make, self._limit, self._promote_after = shared, make_dedicated, limit, promote_after
-        self._runners: OrderedDict[tuple[int, ...], Any] = OrderedDict()
-        self._seen: Counter[tuple[int, ...]] = Counter()
-        self._lock = threading.Lock()
-
-    def get(self, feed: dict[str, np.ndarray]) -> Any:
-        shape = tuple(feed["mel"].shape)
-        if self._limit <= 0:
-            return self.shared
-        with self._lock:
-            runner = self._runners.get(shape)
-            if runner is not None:
-                self._runners.move_to_end(shape)
-                return runner
-            self._seen[shape] += 1
-            if self._seen[shape] < self._promote_after:
-                return self.shared
-            if len(self._runners) >= self._limit:
-                self._runners.popitem(last=False)
-            runner = self._runners[shape] = self._make(feed)
-            return runner
-
-    @property
-    def dedicated(self) -> int:
-        return len(self._runners)
+    def run(self, feed: dict[str, np.ndarray], caches: dict[str, np.ndarray]) -> tuple[list[np.ndarray], Any]:
+        for spec in self.caches:
+            feed[CACHE_PREFIX + spec.name] = caches[spec.name]
+        values = self.session.run(self.outputs, feed)
+        lead = [v for name, v in zip(self.outputs, values) if not name.startswith(NEXT_PREFIX)]
+        if not self.has_next:
+            return lead, None
+        nxt = {name[len(NEXT_PREFIX):]: v for name, v in zip(self.outputs, values) if name.startswith(NEXT_PREFIX)}
+        return lead, nxt
 
 
 class OrtBackend:
-    """The product backend: ``predict_f0`` on the CPU EP, ``generate`` on the CUDA EP (or CPU)."""
+    """The product backend: ``f0_step`` on the CPU EP, ``generator_step`` on the CUDA EP (or the CPU EP)."""
 
-    def __init__(self, manifest: Manifest, device: Device = "auto", cuda: CudaOptions | None = None,
-                 intra_op_threads: int = 0) -> None:
-        self.manifest = manifest
-        f0_entry = manifest.artifact(F0)
-        if any(v["dtype"] != "float32" for v in f0_entry["inputs"] + f0_entry["outputs"]):
-            raise ArtifactError(f"{manifest.path(F0)}: the F0 graph must take and return float32 (the manifest lists "
-                                f"{[(v['name'], v['dtype']) for v in f0_entry['inputs'] + f0_entry['outputs']]}); "
-                                f"re-export with hift-export")
+    def __init__(self, manifest: Manifest, constants: StreamConstants, device: Device = "auto",
+                 cuda: CudaOptions | None = None, intra_op_threads: int = 0) -> None:
+        if device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+        self.manifest, self.constants = manifest, constants
+        f0_entry = manifest.artifact(F0_STEP)
+        mel_in = [v for v in f0_entry["inputs"] if v["name"] == "mel"] + [v for v in f0_entry["outputs"]
+                                                                          if v["name"] == "f0"]
+        if any(v["dtype"] != "float32" for v in mel_in):
+            raise ArtifactError(f"{manifest.path(F0_STEP)}: the F0 graph must take and return float32 (the manifest "
+                                f"lists {[(v['name'], v['dtype']) for v in mel_in]}); re-export with hift-export")
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if intra_op_threads:
             opts.intra_op_num_threads = intra_op_threads
-        self.f0_session = self._session(F0, opts, [CPU])
+        self._f0 = _StepSession(self._session(F0_STEP, opts, [CPU], constants.f0_caches), constants.f0_caches)
         providers: list[Any] = [CPU]
         reason = "device='cpu' requested"
         if device in ("auto", "cuda"):
@@ -192,84 +142,77 @@ class OrtBackend:
                 if device == "cuda":
                     raise ArtifactError(f"device='cuda' requested but {reason}; install onnxruntime-gpu "
                                         f"(and not onnxruntime beside it)")
-        self.generator_sessions = {False: self._session(GENERATOR_STREAM, opts, providers),
-                                   True: self._session(GENERATOR_FINAL, opts, providers)}
-        active = self.generator_sessions[False].get_providers()[0]
-        self._pools: dict[bool, _ShapeSessionPool] = {}
-        if active == CUDA:
-            options = cuda or CudaOptions()
-            for finalize, role in ((False, GENERATOR_STREAM), (True, GENERATOR_FINAL)):
-                shared = _BoundRunner(self.generator_sessions[finalize], options.device_id)
-                self._pools[finalize] = _ShapeSessionPool(
-                    shared, lambda feed, role=role, finalize=finalize: self._dedicated(role, finalize, feed, opts,
-                                                                                      options),
-                    options.shape_sessions)
+        gen = constants.generator_caches
+        self._gen = {final: _StepSession(self._session(role, opts, providers, gen), gen)
+                     for final, role in ((False, GENERATOR_STEP), (True, GENERATOR_STEP_FINAL))}
+        active = self._gen[False].session.get_providers()[0]
         if providers[0] != CPU and active != CUDA:
-            reason = "CUDA EP could not start (no GPU or driver/CUDA libraries missing); see ONNX Runtime's log"
+            reason = "CUDA EP could not start (no GPU or driver/CUDA libraries missing)"
             if device == "cuda":
                 raise ArtifactError(f"device='cuda' requested but the {reason}")
         self.generator_provider = active
-        self.device_id = (cuda or CudaOptions()).device_id
+        self.step_sizes = (cuda or CudaOptions()).step_sizes if active == CUDA else None
         self.name = f"ort[{'cuda' if active == CUDA else 'cpu'}]"
         log.info("hift_runtime: generator on %s%s; F0 on %s", active, f" ({reason})" if reason else "", CPU)
 
-    def _session(self, role: str, opts: ort.SessionOptions, providers: list[Any]) -> ort.InferenceSession:
+    def _session(self, role: str, opts: ort.SessionOptions, providers: list[Any],
+                 caches: tuple[CacheSpec, ...]) -> ort.InferenceSession:
         path = self.manifest.path(role)
         try:
             session = ort.InferenceSession(str(path), opts, providers=providers)
         except Exception as exc:  # ORT raises its own exception types for unreadable or invalid models
             raise ArtifactError(f"{path}: ONNX Runtime cannot load it ({str(exc).splitlines()[0][:300]})") from exc
-        _check_signature(session, self.manifest.artifact(role), path)
+        _check_signature(session, self.manifest.artifact(role), caches, path)
         _check_metadata(session, self.manifest, path)
         return session
 
-    def _dedicated(self, role: str, finalize: bool, feed: dict[str, np.ndarray], base: ort.SessionOptions,
-                   options: CudaOptions) -> Any:
-        provider = [(CUDA, options.provider_options()), CPU]
-        if not options.cuda_graphs:
-            return _BoundRunner(self._session(role, base, provider), options.device_id)
-        c = self.manifest.config["derived"]
-        batch, _, frames = feed["mel"].shape
-        samples = c["samples_per_frame"] * (frames if finalize else frames - int(self.manifest.config[
-            "conv_pre_look_right"]) - 1)
+    def new_caches(self, kind: str, batch: int = 1) -> dict[str, np.ndarray]:
+        specs = self.constants.generator_caches if kind == "generator" else self.constants.f0_caches
+        return {spec.name: spec.zeros(batch) for spec in specs}
 
-        def make_session(overrides: dict[str, int]) -> ort.InferenceSession:
-            opts = ort.SessionOptions()
-            opts.log_severity_level = base.log_severity_level
-            for name, value in overrides.items():
-                opts.add_free_dimension_override_by_name(name, value)
-            graph_provider = [(CUDA, options.provider_options() | {"enable_cuda_graph": "1"})]
-            return self._session(role, opts, graph_provider)
+    def f0_step(self, mel: np.ndarray, caches: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        (f0,), nxt = self._f0.run({"mel": mel}, caches)
+        return f0, nxt
 
-        return _GraphRunner(make_session, self.manifest.artifact(role), feed, options.device_id,
-                            {"audio": (batch, samples), "phase_out": (batch, frames, c["num_sines"])})
+    def generator_step(self, mel: np.ndarray, f0: np.ndarray, noise: np.ndarray, phase_in: np.ndarray,
+                       first: np.ndarray, caches: dict[str, np.ndarray],
+                       final: bool) -> tuple[np.ndarray, np.ndarray, Any]:
+        feed = {"mel": mel, "f0": f0, "noise": noise, "phase_in": phase_in, "first": first}
+        (audio, phase_out), nxt = self._gen[final].run(feed, caches)
+        return audio, phase_out, nxt
 
-    def predict_f0(self, mel: np.ndarray) -> np.ndarray:
-        return self.f0_session.run(None, {"mel": mel})[0]
-
-    def generate(self, mel: np.ndarray, f0: np.ndarray, noise: np.ndarray, phase_in: np.ndarray,
-                 finalize: bool) -> tuple[np.ndarray, np.ndarray]:
-        feed = {"mel": mel, "f0": f0, "noise": noise, "phase_in": phase_in}
-        if self.generator_provider != CUDA:
-            session = self.generator_sessions[finalize]
-            audio, phase = session.run(None, feed)
-            return audio, phase
-        return self._pools[finalize].get(feed).run(feed)
+    def warmup(self, step_sizes: tuple[int, ...] | None) -> None:
+        """Run every fixed step shape once (on the CUDA EP this builds each shape's cuDNN state); no-op on the CPU."""
+        if self.generator_provider != CUDA or not step_sizes:
+            return
+        c = self.constants
+        for size in step_sizes:
+            self.generator_step(np.zeros((1, c.in_channels, size + c.mel_look_ahead), np.float32),
+                                np.zeros((1, size + c.source_look_ahead), np.float32),
+                                np.zeros((1, (size + c.source_look_ahead) * c.samples_per_frame, c.num_sines),
+                                         np.float32), np.zeros((1, c.num_sines)), np.array([[True]]),
+                                self.new_caches("generator"), False)
 
 
-def open_vocoder(artifacts: str | os.PathLike[str], *, device: Device = "auto", window_frames: int | None = None,
+def open_vocoder(artifacts: str | os.PathLike[str], *, device: Device = "auto",
                  noise_table: str | os.PathLike[str] | None = None, noise_seed: int = 0,
-                 cuda: CudaOptions | None = None, verify_hashes: bool = True,
-                 intra_op_threads: int = 0, phase: str = "upstream") -> StreamingVocoder:
-    """Open an export folder: verify it, create the sessions once, return a :class:`StreamingVocoder`.
+                 cuda: CudaOptions | None = None, verify_hashes: bool = True, intra_op_threads: int = 0,
+                 phase: str = "upstream", step_sizes: tuple[int, ...] | None = None) -> StreamingVocoder:
+    """Open an export folder: verify the files the runtime loads, create the sessions once, return a
+    :class:`StreamingVocoder`. Streams created from it share the sessions; each has its own small state.
 
-    Streams created from it share the sessions; each has its own small state.
+    ``step_sizes``: fixed generator step sizes (default: ``cuda.step_sizes`` on the CUDA EP, any size on the CPU).
     """
-    manifest = read_manifest(artifacts, verify_hashes=verify_hashes)
-    backend = OrtBackend(manifest, device=device, cuda=cuda, intra_op_threads=intra_op_threads)
-    constants = StreamConstants.from_config(manifest.config,
-                                            window_frames if window_frames is not None
-                                            else manifest.streaming["window_frames"])
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+    manifest = read_manifest(artifacts, verify=(GENERATOR_STEP, GENERATOR_STEP_FINAL, GENERATOR_WEIGHTS, F0_STEP)
+                             if verify_hashes else None)
+    try:
+        constants = StreamConstants.from_manifest(manifest.config, manifest.step)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ArtifactError(f"{manifest.root}/manifest.json: unreadable step contract ({exc}); re-export") from exc
+    backend = OrtBackend(manifest, constants, device=device, cuda=cuda, intra_op_threads=intra_op_threads)
     noise = (NoiseTable.from_npy(noise_table, constants.num_sines) if noise_table is not None
              else NoiseTable.seeded(noise_seed, constants.noise_table_length, constants.num_sines))
-    return StreamingVocoder(backend, constants, noise, phase=phase)
+    return StreamingVocoder(backend, constants, noise, phase=phase,
+                            step_sizes=step_sizes if step_sizes is not None else backend.step_sizes)

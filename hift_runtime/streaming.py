@@ -1,30 +1,29 @@
-"""Bounded-window streaming of the CosyVoice3 vocoder, written once and driven by any :class:`VocoderBackend`.
+"""Streaming the CosyVoice3 vocoder through its stateful step graphs, written once and driven by any
+:class:`VocoderBackend` (ONNX Runtime, or eager PyTorch in ``hift_export.backend``).
 
-Frame bookkeeping (absolute mel frames; ``spf`` = 480 samples per frame, ``LA`` = 3 F0 look-ahead, ``LEFT`` = 8 F0
-left context, ``LOOK`` = 4 ``conv_pre`` look-ahead, ``W`` = window history):
+Each layer's left context is a cache carried from step to step, so a push computes only the new frames and the output
+equals one offline ``finalize=True`` pass (see ``hift_export/step.py`` for the step's contract). Frame bookkeeping
+(absolute mel frames; ``spf`` = 480 samples per frame; every constant read from the manifest):
 
-* **Incremental F0.** F0 of frame ``t`` depends on mel ``t-8 .. t+3`` only. With ``n`` frames received, F0 is known
-  for frames ``< n-3``; each push runs the F0 graph on ``mel[f0_end-8 : n]`` (``chunk + 11`` frames), keeps only the
-  new frames, and never recomputes a kept value. The cost per chunk does not depend on ``W``.
-* **Generator window.** The generator's left receptive field is ~30 frames, so a window that starts ``W >= 64``
-  frames before the first new output frame reproduces the offline pass. A stream call on the window
-  ``[w, f0_end)`` yields audio for frames ``[w, f0_end-5)``; frames already emitted are dropped.
-* **Phase.** The source integrates ``f0*h/sr`` over frames in float64 and rounds the running sum to float32 before
-  ``sin(2*pi*480*x)``, as upstream's CPU cumsum does. The window's sum starts from the carried float64 sum at frame
-  ``w-1`` and the generator returns the per-frame sums to carry forward. ``phase="upstream"`` (default) carries the
-  unwrapped sum: every window then rounds exactly like one pass from frame 0 (upstream's offline and streaming
-  output). ``phase="wrapped"`` drops whole turns (exact in real arithmetic: ``sin(2*pi*480*x)`` has period 1/480),
-  which keeps the float32 rounding at small magnitudes: more accurate than upstream on long utterances, where
-  upstream's float32 sum drifts (~0.2 rad at 30 s for the 9th harmonic), but no longer bit-faithful to it.
-* **Noise.** Rows ``[480 w, 480 f0_end)`` of the :class:`~hift_runtime.noise.NoiseTable`, by absolute sample.
-* **Finish.** F0 of the last 3 frames uses zero look-ahead (the F0 graph on mel + 3 zero frames, exactly upstream's
-  ``finalize=True``); the final generator call covers ``[w, n)`` and emits everything still held back.
+* **F0 step.** F0 of frame ``t`` reads mel ``t-8 .. t+3``. With ``n`` frames received, F0 is known for frames
+  ``< n-3``; a push runs the F0 step on the mel of the newly computable frames plus their 3 look-ahead frames. Each
+  frame's F0 is computed once; on finish the look-ahead is 3 zero frames (upstream's ``finalize=True``).
+* **Generator steps.** A step over frames ``[a, a+c)`` reads mel up to ``a+c+4`` (``conv_pre``'s look-ahead) and the
+  source of frame ``a+c``, so with ``n`` frames received the generator advances to ``n-4`` and the audio, which lags
+  one frame, is final up to frame ``n-5``: 100 ms held back (upstream's scheme holds back 160 ms; the audio is the
+  same). A push becomes steps of the sizes in ``step_sizes`` (fixed shapes for CUDA graphs) or one step.
+* **Phase.** The source's running phase sum is float64 and carried between steps. ``phase="upstream"`` (default)
+  carries it unwrapped, so every step adds in exactly the order of one pass from frame 0 (upstream's rounding).
+  ``phase="wrapped"`` drops whole turns (exact in real arithmetic: ``sin(2*pi*480*x)`` has period 1/480), which keeps
+  the float32 rounding at small magnitudes: more accurate than upstream on long streams, not bit-faithful to it.
+* **Noise.** Rows of the :class:`~hift_runtime.noise.NoiseTable` by absolute sample.
+* **Finish.** The final step covers the remaining frames with zero look-ahead and emits everything held back.
 
-Totals: ``480 * frames`` samples, equal to one offline ``finalize=True`` pass up to float rounding. The mel cache
-holds at most ``max(W + 8, 11) + chunk`` frames.
+Totals: exactly ``480 * frames`` samples. A stream's state is bounded: the caches (fixed size), at most
+``4 + pending`` mel frames and F0 values, the phase.
 
 Thread safety: a :class:`StreamingVocoder` (and its backend's sessions) may serve many streams from many threads;
-one :class:`VocoderStream` must be driven by one thread at a time (calls on a stream are serialised by its lock).
+calls on one :class:`VocoderStream` are serialised by its lock.
 """
 
 from __future__ import annotations
@@ -40,6 +39,7 @@ from .noise import NoiseTable
 
 # Outside this range the input is almost certainly not upstream's natural-log mel (log(clamp(., 1e-5)) >= -11.5).
 LOG_MEL_RANGE = (-30.0, 15.0)
+PHASE_MODES = ("upstream", "wrapped")
 
 
 class StreamError(RuntimeError):
@@ -50,47 +50,92 @@ class MelError(ValueError):
     """A mel chunk of the wrong shape or with non-finite values; the stream is left unchanged."""
 
 
+@dataclass(frozen=True)
+class CacheSpec:
+    """One cache of a step graph: per-stream shape (no batch axis) and dtype; its initial value is zeros."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @classmethod
+    def from_manifest(cls, entry: dict[str, Any]) -> "CacheSpec":
+        if entry.get("init", "zeros") != "zeros":
+            raise ValueError(f"cache {entry['name']!r} has initial value {entry['init']!r}; this runtime knows 'zeros'")
+        return cls(str(entry["name"]), tuple(int(d) for d in entry["shape"]), str(entry["dtype"]))
+
+    def zeros(self, batch: int = 1) -> np.ndarray:
+        return np.zeros((batch, *self.shape), np.dtype(self.dtype))
+
+
 class VocoderBackend(Protocol):
-    """What the bookkeeping needs from an inference engine (NumPy in, NumPy out, float32)."""
+    """What the bookkeeping needs from an inference engine. Arrays are batch-first NumPy; caches are opaque to the
+    bookkeeping (a backend may keep them on its device)."""
 
     name: str
 
-    def predict_f0(self, mel: np.ndarray) -> np.ndarray:
-        """``[B, 80, T] -> [B, T - f0_look_ahead]``: streaming form, the last frames are look-ahead."""
+    def new_caches(self, kind: str, batch: int = 1) -> Any:
+        """Zero caches (the utterance start) of ``kind`` ``"generator"`` or ``"f0"``."""
         ...
 
-    def generate(self, mel: np.ndarray, f0: np.ndarray, noise: np.ndarray, phase_in: np.ndarray,
-                 finalize: bool) -> tuple[np.ndarray, np.ndarray]:
-        """Generator graph: ``(audio [B, S], phase_out [B, N, 9])`` (see ``hift_export.graphs``)."""
+    def f0_step(self, mel: np.ndarray, caches: Any) -> tuple[np.ndarray, Any]:
+        """``mel [B, 80, c+3]`` float32 -> ``(f0 [B, c] float32, next caches)``."""
+        ...
+
+    def generator_step(self, mel: np.ndarray, f0: np.ndarray, noise: np.ndarray, phase_in: np.ndarray,
+                       first: np.ndarray, caches: Any, final: bool) -> tuple[np.ndarray, np.ndarray, Any]:
+        """One generator step (``hift_export.step``): ``(audio [B, S], phase_out [B, 9] float64, next caches)``."""
         ...
 
 
 @dataclass(frozen=True)
 class StreamConstants:
-    """Everything the bookkeeping needs, read from the manifest (or a config dict): never hard-coded here."""
+    """Everything the bookkeeping needs, read from the manifest (config + step contract): never hard-coded here."""
 
     in_channels: int
     samples_per_frame: int
     f0_look_ahead: int
-    f0_left_context: int
-    conv_pre_look_ahead: int
+    mel_look_ahead: int
+    source_look_ahead: int
+    audio_lag: int
     num_sines: int
     noise_table_length: int
-    window_frames: int
+    generator_caches: tuple[CacheSpec, ...]
+    f0_caches: tuple[CacheSpec, ...]
 
     @classmethod
-    def from_config(cls, config: dict[str, Any], window_frames: int | None = None) -> "StreamConstants":
+    def from_manifest(cls, config: dict[str, Any], step: dict[str, Any]) -> "StreamConstants":
         d = config["derived"]
         return cls(in_channels=int(config["in_channels"]), samples_per_frame=int(d["samples_per_frame"]),
-                   f0_look_ahead=int(d["f0_look_ahead"]), f0_left_context=int(d["f0_left_context"]),
-                   conv_pre_look_ahead=int(config["conv_pre_look_right"]), num_sines=int(d["num_sines"]),
-                   noise_table_length=int(d["noise_table_length"]),
-                   window_frames=int(config["window_frames"] if window_frames is None else window_frames))
+                   f0_look_ahead=int(step["f0_look_ahead_frames"]), mel_look_ahead=int(step["mel_look_ahead_frames"]),
+                   source_look_ahead=int(step["source_look_ahead_frames"]), audio_lag=int(step["audio_lag_frames"]),
+                   num_sines=int(d["num_sines"]), noise_table_length=int(d["noise_table_length"]),
+                   generator_caches=tuple(CacheSpec.from_manifest(e) for e in step["generator_caches"]),
+                   f0_caches=tuple(CacheSpec.from_manifest(e) for e in step["f0_caches"]))
 
     @property
-    def stream_emit_lag(self) -> int:
-        """Frames with known F0 that a stream call cannot emit yet: conv_pre look-ahead + 1 iSTFT frame (5)."""
-        return self.conv_pre_look_ahead + 1
+    def held_back_frames(self) -> int:
+        """Frames received but not yet emitted after a push (5): ``conv_pre`` look-ahead + the audio's lag."""
+        return self.mel_look_ahead + self.audio_lag
+
+    def emitted_after(self, frames: int) -> int:
+        """Samples a stream has emitted after pushes totalling ``frames`` frames (before ``finish``)."""
+        return max(0, frames - self.held_back_frames) * self.samples_per_frame
+
+
+def split_steps(count: int, sizes: tuple[int, ...] | None) -> list[int]:
+    """``count`` frames as steps: one step (``sizes=None``), or greedily the largest allowed sizes (``sizes`` must
+    contain 1, so every count splits)."""
+    if count <= 0:
+        return []
+    if sizes is None:
+        return [count]
+    out = []
+    for size in sorted(sizes, reverse=True):
+        while count >= size:
+            out.append(size)
+            count -= size
+    return out
 
 
 @dataclass
@@ -99,64 +144,55 @@ class StreamStats:
 
     frames_in: int = 0
     samples_out: int = 0
-    f0_frames: int = 0  # F0 values computed and kept: each frame exactly once
+    f0_frames: int = 0  # F0 values computed: each frame exactly once
     f0_calls: int = 0
     generator_calls: int = 0
+    generator_frames: int = 0  # frames the generator computed: each exactly once
     max_mel_cache: int = 0
-    max_f0_input_frames: int = 0  # the largest F0 graph input: new frames + left context (+ look-ahead zeros)
-    max_window_frames: int = 0  # the largest generator window
-
-
-PHASE_MODES = ("upstream", "wrapped")
+    max_step_frames: int = 0
 
 
 class StreamingVocoder:
-    """Shared part: backend, constants, noise table. Creates :class:`VocoderStream` objects and offline passes."""
+    """Shared part: backend, constants, noise table, step policy. Creates :class:`VocoderStream` objects and
+    offline passes."""
 
     def __init__(self, backend: VocoderBackend, constants: StreamConstants, noise: NoiseTable | None = None,
-                 noise_seed: int = 0, phase: str = "upstream") -> None:
-        if constants.window_frames < 1:
-            raise ValueError(f"window_frames must be >= 1, got {constants.window_frames}")
+                 noise_seed: int = 0, phase: str = "upstream", step_sizes: tuple[int, ...] | None = None) -> None:
         if phase not in PHASE_MODES:
             raise ValueError(f"phase must be one of {PHASE_MODES}, got {phase!r}")
+        if step_sizes is not None:
+            step_sizes = tuple(sorted({int(s) for s in step_sizes}, reverse=True))
+            if not step_sizes or 1 not in step_sizes or step_sizes[-1] < 1:
+                raise ValueError(f"step_sizes must be positive and include 1 (so any push splits), got {step_sizes}")
         self.phase_mode = phase
+        self.step_sizes = step_sizes
         self.backend = backend
         self.constants = constants
         self.noise = noise if noise is not None else NoiseTable.seeded(noise_seed, constants.noise_table_length,
                                                                        constants.num_sines)
         if self.noise.columns != constants.num_sines:
             raise ValueError(f"noise table has {self.noise.columns} columns, the model needs {constants.num_sines}")
+        if self.noise.length < constants.noise_table_length:
+            warnings.warn(f"noise table {self.noise.source} has {self.noise.length} rows, the model's has "
+                          f"{constants.noise_table_length}: streams longer than {self.noise.length / 24000:.1f} s "
+                          f"reuse its rows earlier than upstream would", RuntimeWarning, stacklevel=2)
 
     def stream(self) -> "VocoderStream":
         return VocoderStream(self)
 
-    def warmup(self, chunk_frames: int = 24, streams: int = 2) -> None:
-        """Run ``streams`` silent streams of ``chunk_frames``-frame chunks through the backend, so that the window
-        lengths a real stream of that chunk size meets (first chunks, steady state, finish) are prepared before
-        the first user request (on the CUDA EP: their dedicated sessions exist and cuDNN state is built)."""
-        c = self.constants
-        frames = (c.window_frames // max(chunk_frames, 1) + 4) * chunk_frames
-        mel = np.full((c.in_channels, frames), -11.5, np.float32)
-        for _ in range(streams):
-            stream = self.stream()
-            for pos in range(0, frames, chunk_frames):
-                stream.push(mel[:, pos:pos + chunk_frames])
-            stream.finish()
+    def warmup(self) -> None:
+        """Prepare every step shape a stream can meet (CUDA graphs, cuDNN state) before the first request. A no-op on
+        backends that compile nothing."""
+        prepare = getattr(self.backend, "warmup", None)
+        if prepare is not None:
+            prepare(self.step_sizes)
 
     def vocode(self, mel: np.ndarray) -> np.ndarray:
-        """One offline ``finalize=True`` pass over the whole mel (upstream non-streaming ``inference``)."""
-        c = self.constants
-        mel = validate_mel(mel, c.in_channels)
-        frames = mel.shape[1]
-        if frames == 0:
+        """One offline ``finalize=True`` pass over the whole mel: one F0 step and one final step from the start."""
+        mel = validate_mel(mel, self.constants.in_channels)
+        if mel.shape[1] == 0:
             return np.zeros(0, np.float32)
-        padded = np.concatenate([mel, np.zeros((c.in_channels, c.f0_look_ahead), np.float32)], axis=1)
-        f0 = self.backend.predict_f0(padded[None])
-        noise = self.noise.rows(0, frames * c.samples_per_frame)[None]
-        phase_in = np.zeros((1, c.num_sines), np.float64)
-        audio, _ = self.backend.generate(mel[None], f0, noise, phase_in, True)
-        return audio[0]
-
+        return self.stream()._advance(mel, final=True)
 
 def validate_mel(mel: Any, channels: int) -> np.ndarray:
     """``[C, T]`` or ``[1, C, T]`` real floats -> contiguous float32 ``[C, T]``; raise :class:`MelError` otherwise.
@@ -195,18 +231,15 @@ class VocoderStream:
 
     def __init__(self, vocoder: StreamingVocoder) -> None:
         self._v = vocoder
-        c = vocoder.constants
-        self._c = c
+        c = self._c = vocoder.constants
         self._lock = threading.Lock()
-        self._mel = np.zeros((c.in_channels, 0), np.float32)  # absolute frames [mel_start, frames_in)
-        self._mel_start = 0
-        self._f0 = np.zeros(0, np.float32)  # absolute frames [f0_start, f0_end)
-        self._f0_start = 0
-        self._noise = np.zeros((0, c.num_sines), np.float32)  # noise rows of frames [noise_start, ...)
-        self._noise_start = 0
-        self._emitted = 0  # frames whose audio was returned
-        self._phase = np.zeros(c.num_sines, np.float64)  # carried phase sum (turns) at frame window_start-1
-        self._phase_frame = 0  # the window start the carried phase belongs to
+        self._frames_in = 0
+        self._position = 0  # frames the generator has computed; mel and F0 are kept from here on
+        self._mel = np.zeros((c.in_channels, 0), np.float32)  # frames [position, frames_in)
+        self._f0 = np.zeros(0, np.float32)  # frames [position, position + len)
+        self._phase = np.zeros((1, c.num_sines), np.float64)  # running phase sum at frame position - 1 (turns)
+        self._f0_caches = vocoder.backend.new_caches("f0")
+        self._gen_caches = vocoder.backend.new_caches("generator")
         self._finished = False
         self._warned_range = False
         self.stats = StreamStats()
@@ -214,7 +247,7 @@ class VocoderStream:
     # ---- read-only views ---------------------------------------------------------------------------------------
     @property
     def frames_in(self) -> int:
-        return self._mel_start + self._mel.shape[1]
+        return self._frames_in
 
     @property
     def finished(self) -> bool:
@@ -233,14 +266,13 @@ class VocoderStream:
             self._warn_range(chunk)
             if chunk.shape[1] == 0:
                 return np.zeros(0, np.float32)
-            return self._step(chunk, finalize=False)
+            return self._advance(chunk, final=False)
 
     def finish(self) -> np.ndarray:
         with self._lock:
             if self._finished:
                 raise StreamError("finish() called twice: the stream is already closed")
-            out = self._step(np.zeros((self._c.in_channels, 0), np.float32), finalize=True)
-            return out
+            return self._advance(np.zeros((self._c.in_channels, 0), np.float32), final=True)
 
     # ---- internals ----------------------------------------------------------------------------------------------
     def _warn_range(self, chunk: np.ndarray) -> None:
@@ -253,91 +285,73 @@ class VocoderStream:
                           f"{LOG_MEL_RANGE} the vocoder was trained on (linear or dB mel?)", RuntimeWarning,
                           stacklevel=3)
 
-    def _step(self, chunk: np.ndarray, finalize: bool) -> np.ndarray:
-        """Compute everything into locals; commit state only once every backend call has succeeded."""
-        c, backend = self._c, self._v.backend
+    def _advance(self, chunk: np.ndarray, final: bool) -> np.ndarray:
+        """Run the F0 step and the generator steps the new frames allow. Everything is computed into locals; the
+        stream's state changes only once every backend call has succeeded."""
+        c, backend, noise_table = self._c, self._v.backend, self._v.noise
         spf = c.samples_per_frame
+        base = self._position
         mel = np.concatenate([self._mel, chunk], axis=1) if chunk.shape[1] else self._mel
-        mel_start = self._mel_start
-        n = mel_start + mel.shape[1]
-        f0, f0_start = self._f0, self._f0_start
-        f0_end = f0_start + f0.shape[0]
+        n = self._frames_in + chunk.shape[1]
+        f0, f0_caches = self._f0, self._f0_caches
+        f0_end = base + f0.shape[0]
 
-        # 1. F0 for the frames that became computable (all remaining ones when finalizing).
-        target = n if finalize else n - c.f0_look_ahead
-        f0_calls, f0_inputs = 0, []
+        # 1. F0 of the frames that became computable (all remaining ones, with zero look-ahead, on finish).
+        target = n if final else n - c.f0_look_ahead
+        f0_calls = 0
         if target > f0_end:
-            start = max(0, f0_end - c.f0_left_context)
-            window = mel[:, start - mel_start:]
-            if finalize:
+            window = mel[:, f0_end - base:]
+            if final:
                 window = np.concatenate([window, np.zeros((c.in_channels, c.f0_look_ahead), np.float32)], axis=1)
-            out = backend.predict_f0(window[None])[0]
-            f0 = np.concatenate([f0, out[f0_end - start:]])
-            f0_calls, f0_inputs = 1, [window.shape[1]]
-            f0_end = target
+            out, f0_caches = backend.f0_step(window[None], f0_caches)
+            f0 = np.concatenate([f0, out[0]])
+            f0_calls, f0_end = 1, target
 
-        # 2. Generator over the bounded window, emitting the frames that became final.
-        emit_end = n if finalize else f0_end - c.stream_emit_lag
-        audio = np.zeros(0, np.float32)
-        phase, phase_frame = self._phase, self._phase_frame
-        noise = self._noise
-        win_frames: list[int] = []
-        if emit_end > self._emitted:
-            w = max(0, self._emitted - c.window_frames)
-            if w != phase_frame:  # the carry is stored for exactly this window start by the previous call
-                raise RuntimeError(f"internal error: carried phase belongs to frame {phase_frame}, window starts at {w}")
-            frames = f0_end - w
-            # Noise rows are drawn once per frame and kept with the window (a seeded table hashes on demand).
-            noise_end = self._noise_start + self._noise.shape[0] // spf
-            if f0_end > noise_end:
-                new_rows = self._v.noise.rows(noise_end * spf, (f0_end - noise_end) * spf)
-                noise = np.concatenate([self._noise, new_rows]) if self._noise.size else new_rows
-            else:
-                noise = self._noise
-            window_noise = noise[(w - self._noise_start) * spf: (f0_end - self._noise_start) * spf]
-            out_audio, phase_out = backend.generate(
-                mel[None, :, w - mel_start: f0_end - mel_start], f0[None, w - f0_start: f0_end - f0_start],
-                window_noise[None], phase[None], finalize)
-            # A copy, not a view: a view would keep the whole window's output alive for as long as the caller
-            # keeps this chunk (measured: +290 MB RSS over a 300 s stream whose chunks were kept).
-            audio = np.array(out_audio[0, (self._emitted - w) * spf:], dtype=np.float32, copy=True)
-            expected = (emit_end - self._emitted) * spf
-            if audio.shape[0] != expected:
-                raise RuntimeError(f"backend {backend.name} returned {audio.shape[0] + (self._emitted - w) * spf} "
-                                   f"samples for a {frames}-frame window; expected {expected} new samples")
-            win_frames = [frames]
-            next_w = max(0, emit_end - c.window_frames)
-            if next_w > w:
-                phase = np.array(phase_out[0, next_w - 1 - w], dtype=np.float64)
-                if self._v.phase_mode == "wrapped":
-                    phase -= np.floor(phase)
-                phase_frame = next_w
-        else:
-            emit_end = self._emitted
+        # 2. Generator steps up to where mel look-ahead and source look-ahead are known; on finish, one final step.
+        phase, caches = self._phase, self._gen_caches
+        position, pieces, steps = base, [], []
+        limit = min(n - c.mel_look_ahead, f0_end - c.source_look_ahead)
+        for size in split_steps(limit - position, self._v.step_sizes):
+            i = position - base
+            audio, phase, caches = backend.generator_step(
+                mel[None, :, i: i + size + c.mel_look_ahead], f0[None, i: i + size + c.source_look_ahead],
+                noise_table.rows(position * spf, (size + c.source_look_ahead) * spf)[None], phase,
+                np.array([[position == 0]]), caches, False)
+            if self._v.phase_mode == "wrapped":
+                phase = phase - np.floor(phase)
+            pieces.append(audio[0, c.audio_lag * spf if position == 0 else 0:])
+            steps.append(size)
+            position += size
+        if final and n > position:
+            i = position - base
+            audio, _, _ = backend.generator_step(mel[None, :, i:], f0[None, i:],
+                                                 noise_table.rows(position * spf, (n - position) * spf)[None],
+                                                 phase, np.array([[position == 0]]), caches, True)
+            pieces.append(audio[0, c.audio_lag * spf if position == 0 else 0:])
+            steps.append(n - position)
+            position = n
+        # A copy, not views: a view would keep each step's output buffer alive for as long as the caller keeps it.
+        emitted = np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
+        expected = (n if final else max(0, position - c.audio_lag)) * spf - self.stats.samples_out
+        if emitted.shape[0] != expected:
+            raise RuntimeError(f"backend {backend.name} returned {emitted.shape[0]} samples for steps {steps}; "
+                               f"expected {expected}")
 
-        # 3. Commit, then drop what no later call needs.
-        self._emitted = emit_end
-        self._phase, self._phase_frame = phase, phase_frame
-        keep_gen = max(0, emit_end - c.window_frames)
-        keep_mel = min(keep_gen, max(0, f0_end - c.f0_left_context))
-        self._mel = mel[:, keep_mel - mel_start:]
-        self._mel_start = keep_mel
-        self._f0 = f0[keep_gen - f0_start:]
-        self._f0_start = keep_gen
-        self._noise = noise[(keep_gen - self._noise_start) * spf:]
-        self._noise_start = keep_gen
+        # 3. Commit.
         st = self.stats
+        st.max_mel_cache = max(st.max_mel_cache, mel.shape[1])
+        self._frames_in, self._position = n, position
+        self._mel, self._f0 = mel[:, position - base:], f0[position - base:]
+        self._phase, self._gen_caches, self._f0_caches = phase, caches, f0_caches
         st.frames_in = n
-        st.samples_out += audio.shape[0]
+        st.samples_out += emitted.shape[0]
         st.f0_frames = f0_end
         st.f0_calls += f0_calls
-        st.max_f0_input_frames = max([st.max_f0_input_frames, *f0_inputs])
-        st.generator_calls += len(win_frames)
-        st.max_window_frames = max([st.max_window_frames, *win_frames])
-        st.max_mel_cache = max(st.max_mel_cache, mel.shape[1])
-        if finalize:
+        st.generator_calls += len(steps)
+        st.generator_frames += sum(steps)
+        st.max_step_frames = max([st.max_step_frames, *steps])
+        if final:
             self._finished = True
             self._mel = np.zeros((c.in_channels, 0), np.float32)
-            self._f0 = np.zeros(0, np.float32)
-            self._noise = np.zeros((0, c.num_sines), np.float32)
-        return audio
+            self._gen_caches = self._f0_caches = None
+        return emitted
