@@ -31,7 +31,7 @@ class TorchBackend:
 
     @torch.inference_mode()
     def f0_step(self, mel: np.ndarray, caches: dict[str, torch.Tensor]) -> tuple[np.ndarray, dict[str, torch.Tensor]]:
-        f0, nxt = f0_step(self.hift.f0_predictor, torch.from_numpy(mel), caches)
+        f0, nxt = f0_step(self.hift.f0_predictor, torch.from_numpy(mel), _tensors(caches, torch.device("cpu")))
         return f0.numpy(), nxt
 
     @torch.inference_mode()
@@ -42,8 +42,14 @@ class TorchBackend:
         audio, phase, nxt = generator_step(
             self.hift.generator, torch.from_numpy(mel).to(dev), torch.from_numpy(f0).to(dev),
             torch.from_numpy(noise).to(dev), torch.from_numpy(phase_in).to(dev), torch.from_numpy(first).to(dev),
-            caches, final)
+            _tensors(caches, dev), final)
         return audio.cpu().numpy(), phase.cpu().numpy(), nxt
+
+
+def _tensors(caches: dict, device: torch.device) -> dict[str, torch.Tensor]:
+    """Caches as tensors on ``device`` (another backend's NumPy caches are accepted: the parity replay uses that)."""
+    return {k: v if isinstance(v, torch.Tensor) else torch.from_numpy(np.asarray(v)).to(device)
+            for k, v in caches.items()}
 
 
 def torch_vocoder(hift: HiFT, noise: NoiseTable | None = None, noise_seed: int = 0, phase: str = "upstream",

@@ -23,6 +23,7 @@ from hift_runtime.streaming import StreamingVocoder, VocoderBackend
 from .backend import TorchBackend, torch_vocoder
 from .config import HiFTConfig
 from .export import F0_PRECISIONS
+from .checkpoint import CheckpointError
 from .model import load_hift
 
 # Tolerances (issue 4): stage F0 within 1e-5 of max |F0|, stage audio 1e-5 max abs, end to end >= 60 dB.
@@ -41,30 +42,49 @@ def snr_db(estimate: np.ndarray, reference: np.ndarray) -> float:
 
 
 def max_abs(a: np.ndarray, b: np.ndarray) -> float:
+    """Largest absolute difference of two arrays of the same shape (a shape mismatch is an error, never broadcast)."""
+    if a.shape != b.shape:
+        raise ValueError(f"max_abs of arrays of different shapes {a.shape} and {b.shape}")
     return float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))) if a.size else 0.0
 
 
+def _numpy(caches: Any) -> dict[str, np.ndarray]:
+    return {k: (v.detach().cpu().numpy() if hasattr(v, "detach") else np.asarray(v)) for k, v in caches.items()}
+
+
 class ReplayingBackend:
-    """Runs ``primary`` and replays each call on ``reference`` with the same inputs, recording the differences."""
+    """Runs ``primary`` and replays each step on ``reference`` with the same inputs and the same caches, recording
+    the differences of the outputs and of the next caches."""
 
     def __init__(self, primary: VocoderBackend, reference: VocoderBackend) -> None:
         self.primary, self.reference = primary, reference
         self.name = f"{primary.name}+replay({reference.name})"
         self.f0_relative: list[float] = []
         self.audio_max_abs: list[float] = []
+        self.cache_max_abs: list[float] = []
 
-    def predict_f0(self, mel: np.ndarray) -> np.ndarray:
-        out = self.primary.predict_f0(mel)
-        ref = self.reference.predict_f0(mel)
+    def new_caches(self, kind: str, batch: int = 1) -> Any:
+        return self.primary.new_caches(kind, batch)
+
+    def _compare_caches(self, ours: Any, theirs: Any) -> None:
+        if ours is not None:
+            a, b = _numpy(ours), _numpy(theirs)
+            self.cache_max_abs.append(max((max_abs(a[k], b[k]) for k in a), default=0.0))
+
+    def f0_step(self, mel: np.ndarray, caches: Any) -> tuple[np.ndarray, Any]:
+        out, nxt = self.primary.f0_step(mel, caches)
+        ref, ref_nxt = self.reference.f0_step(mel, _numpy(caches))
         self.f0_relative.append(max_abs(out, ref) / max(float(np.max(np.abs(ref))) if ref.size else 0.0, 1e-6))
-        return out
+        self._compare_caches(nxt, ref_nxt)
+        return out, nxt
 
-    def generate(self, mel: np.ndarray, f0: np.ndarray, noise: np.ndarray, phase_in: np.ndarray,
-                 finalize: bool) -> tuple[np.ndarray, np.ndarray]:
-        audio, phase = self.primary.generate(mel, f0, noise, phase_in, finalize)
-        ref_audio, _ = self.reference.generate(mel, f0, noise, phase_in, finalize)
+    def generator_step(self, mel: np.ndarray, f0: np.ndarray, noise: np.ndarray, phase_in: np.ndarray,
+                       first: np.ndarray, caches: Any, final: bool) -> tuple[np.ndarray, np.ndarray, Any]:
+        audio, phase, nxt = self.primary.generator_step(mel, f0, noise, phase_in, first, caches, final)
+        ref_audio, _, ref_nxt = self.reference.generator_step(mel, f0, noise, phase_in, first, _numpy(caches), final)
         self.audio_max_abs.append(max_abs(audio, ref_audio))
-        return audio, phase
+        self._compare_caches(nxt, ref_nxt)
+        return audio, phase, nxt
 
 
 @dataclass
@@ -85,10 +105,11 @@ class ParityReport:
     chunks: list[ChunkParity] = field(default_factory=list)
     stage_f0_relative_max: float = 0.0
     stage_audio_max_abs: float = 0.0
+    stage_cache_max_abs: float = 0.0
     end_to_end_max_abs: float = 0.0
     end_to_end_snr_db: float = 0.0
     tolerances: dict[str, float] = field(default_factory=lambda: {
-        "stage_f0_relative": STAGE_F0_RELATIVE, "stage_audio_max_abs": STAGE_AUDIO,
+        "stage_f0_relative": STAGE_F0_RELATIVE, "stage_audio_max_abs": STAGE_AUDIO, "stage_cache_max_abs": STAGE_AUDIO,
         "end_to_end_snr_db": END_TO_END_SNR_DB})
     passed: bool = False
 
@@ -103,15 +124,16 @@ def reference_backend(manifest: Manifest, checkpoint: str | os.PathLike[str] | N
     config = HiFTConfig.from_dict(manifest.config)
     f0_dtype = F0_PRECISIONS[manifest.data.get("f0_precision", "fp32")]
     if weights["source"] == "seeded-random" and checkpoint is None:
-        hift = load_hift(None, config=config, seed=int(weights["seed"]), f0_dtype=f0_dtype, device=device)
+        hift = load_hift(None, config=config, seed=int(weights["seed"]), f0_dtype=f0_dtype, device=device,
+                         spectral="conv")
     else:
         path = checkpoint if checkpoint is not None else weights.get("path")
         if path is None or not Path(path).is_file():
-            raise FileNotFoundError(f"the reference needs the checkpoint the artifacts came from ({path!r}); pass "
+            raise CheckpointError(f"the reference needs the checkpoint the artifacts came from ({path!r}); pass "
                                     f"--checkpoint PATH")
         if "sha256" in weights and sha256_file(path) != weights["sha256"]:
-            raise ValueError(f"checkpoint {path} is not the one these artifacts were exported from (sha256 differs)")
-        hift = load_hift(str(path), config=config, f0_dtype=f0_dtype, device=device)
+            raise CheckpointError(f"checkpoint {path} is not the one these artifacts were exported from (sha256 differs)")
+        hift = load_hift(str(path), config=config, f0_dtype=f0_dtype, device=device, spectral="conv")
     return TorchBackend(hift)
 
 
@@ -120,9 +142,10 @@ def run_parity(vocoder: StreamingVocoder, reference: TorchBackend, mel: np.ndarr
     """Stream ``mel`` with ``schedule`` through ``vocoder`` (replayed on ``reference``) and through an independent
     eager stream; return the report and both waveforms."""
     replay = ReplayingBackend(vocoder.backend, reference)
-    primary = StreamingVocoder(replay, vocoder.constants, vocoder.noise, phase=vocoder.phase_mode)
-    eager = torch_vocoder(reference.hift, noise=vocoder.noise, window_frames=vocoder.constants.window_frames,
-                          phase=vocoder.phase_mode)
+    primary = StreamingVocoder(replay, vocoder.constants, vocoder.noise, phase=vocoder.phase_mode,
+                               step_sizes=vocoder.step_sizes)
+    eager = torch_vocoder(reference.hift, noise=vocoder.noise, phase=vocoder.phase_mode,
+                          step_sizes=vocoder.step_sizes)
     streams = primary.stream(), eager.stream()
     report = ParityReport(backend=vocoder.backend.name, reference=reference.name, frames=int(mel.shape[-1]),
                           schedule=list(schedule))
@@ -142,10 +165,11 @@ def run_parity(vocoder: StreamingVocoder, reference: TorchBackend, mel: np.ndarr
     a, b = np.concatenate(outs[0]), np.concatenate(outs[1])
     report.stage_f0_relative_max = max(replay.f0_relative, default=0.0)
     report.stage_audio_max_abs = max(replay.audio_max_abs, default=0.0)
+    report.stage_cache_max_abs = max(replay.cache_max_abs, default=0.0)
     report.end_to_end_max_abs = max_abs(a, b)
     report.end_to_end_snr_db = snr_db(a, b)
     report.passed = (report.stage_f0_relative_max <= STAGE_F0_RELATIVE and report.stage_audio_max_abs <= STAGE_AUDIO
-                     and report.end_to_end_snr_db >= END_TO_END_SNR_DB)
+                     and report.stage_cache_max_abs <= STAGE_AUDIO and report.end_to_end_snr_db >= END_TO_END_SNR_DB)
     return report, a, b
 
 
@@ -172,7 +196,3 @@ def plot_parity(report: ParityReport, ours: np.ndarray, reference: np.ndarray, p
     axes[2].set_xlabel("chunk")
     fig.savefig(path, dpi=90)
     plt.close(fig)
-
-
-def as_dict(report: ParityReport) -> dict[str, Any]:
-    return asdict(report)

@@ -50,7 +50,8 @@ class HarmonicSource(nn.Module):
         # from the carried (unwrapped) sum adds in exactly the order of one pass from frame 0.
         terms = torch.cat([phase_in.to(torch.float64).unsqueeze(1), rad.to(torch.float64)], dim=1)
         cum = torch.cumsum(terms, dim=1)[:, 1:]
-        phase = cum.float() * 2 * math.pi * self.samples_per_frame  # float32 ops, in upstream's order
+        # Rounded to the model's precision (float32: upstream's rounding), then float32 ops in upstream's order.
+        phase = cum.to(rad.dtype) * 2 * math.pi * self.samples_per_frame
         voiced = (f0 > self.voiced_threshold).float().unsqueeze(-1)  # [B, T, 1]
         sine_waves = torch.sin(phase) * self.sine_amp * voiced
         noise_amp = voiced * self.noise_std + (1 - voiced) * self.sine_amp / 3

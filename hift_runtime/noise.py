@@ -2,7 +2,7 @@
 
 Upstream draws ``sine_waves = torch.rand(1, 300*24000, 9)`` once when the vocoder is built (259 MB, not saved in
 ``hift.pt``) and reads row ``n`` for output sample ``n``; a stream longer than the table fails upstream. Here a
-:class:`NoiseTable` hands out the rows a window needs, wrapping at the table length so long streams keep going.
+:class:`NoiseTable` hands out the rows a step needs, wrapping at the table length so long streams keep going.
 
 Two sources:
 
@@ -34,6 +34,10 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
         return z ^ (z >> np.uint64(31))
 
 
+class NoiseTableError(ValueError):
+    """A noise table that cannot be used (missing, wrong shape or dtype, a negative seed)."""
+
+
 class NoiseTable:
     """Rows of uniform noise ``[length, columns]`` by absolute position, wrapping at ``length``."""
 
@@ -42,33 +46,33 @@ class NoiseTable:
         if (seed is None) == (table is None):
             raise ValueError("give exactly one of seed= or table=")
         if length <= 0:
-            raise ValueError(f"noise table length must be positive, got {length}")
+            raise NoiseTableError(f"noise table length must be positive, got {length}")
         self.length, self.columns, self.seed, self._table, self.source = length, columns, seed, table, source
 
     @classmethod
     def seeded(cls, seed: int, length: int, columns: int) -> "NoiseTable":
         if seed < 0:
-            raise ValueError(f"noise seed must be >= 0, got {seed}")
+            raise NoiseTableError(f"noise seed must be >= 0, got {seed}")
         return cls(length, columns, seed=seed, source=f"seeded({seed})")
 
     @classmethod
     def from_npy(cls, path: str | os.PathLike[str], columns: int) -> "NoiseTable":
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"noise table {path} does not exist")
+            raise NoiseTableError(f"noise table {path} does not exist")
         try:
             table = np.load(path, mmap_mode="r")
         except ValueError as exc:
-            raise ValueError(f"noise table {path} is not a plain .npy array ({exc})") from exc
+            raise NoiseTableError(f"noise table {path} is not a plain .npy array ({exc})") from exc
         if table.ndim == 3 and table.shape[0] == 1:
             table = table[0]
         if table.ndim != 2 or table.shape[1] != columns:
-            raise ValueError(f"noise table {path} has shape {table.shape}; expected (N, {columns}) or (1, N, {columns})"
+            raise NoiseTableError(f"noise table {path} has shape {table.shape}; expected (N, {columns}) or (1, N, {columns})"
                              f" (upstream m_source.l_sin_gen.sine_waves)")
         if not np.issubdtype(table.dtype, np.floating):
-            raise ValueError(f"noise table {path} has dtype {table.dtype}; expected float32")
+            raise NoiseTableError(f"noise table {path} has dtype {table.dtype}; expected float32")
         if table.shape[0] == 0:
-            raise ValueError(f"noise table {path} has no rows")
+            raise NoiseTableError(f"noise table {path} has no rows")
         return cls(table.shape[0], columns, table=table, source=str(path))
 
     def rows(self, start: int, count: int) -> np.ndarray:

@@ -50,6 +50,10 @@ class MelError(ValueError):
     """A mel chunk of the wrong shape or with non-finite values; the stream is left unchanged."""
 
 
+class MelTypeError(MelError, TypeError):
+    """A mel of a non-float dtype (integer, bool, complex); the stream is left unchanged."""
+
+
 @dataclass(frozen=True)
 class CacheSpec:
     """One cache of a step graph: per-stream shape (no batch axis) and dtype; its initial value is zeros."""
@@ -216,7 +220,7 @@ def validate_mel(mel: Any, channels: int) -> np.ndarray:
         hint = " (is it [T, C]? transpose it)" if mel.shape[1] == channels else ""
         raise MelError(f"mel has {mel.shape[0]} channels, the vocoder expects {channels} mel bins{hint}")
     if not (np.issubdtype(mel.dtype, np.floating)):
-        raise TypeError(f"mel has dtype {mel.dtype}; expected float32 (float64/float16 are converted)")
+        raise MelTypeError(f"mel has dtype {mel.dtype}; expected float32 (float64/float16 are converted)")
     mel = np.ascontiguousarray(mel, dtype=np.float32)
     finite = np.isfinite(mel)
     if not finite.all():
