@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -34,12 +35,16 @@ class CudaOptions:
 
     ``step_sizes``: a push becomes generator steps of these frame counts, so the GPU sees a few fixed shapes (the
     CUDA EP rebuilds every conv's cuDNN state when a session meets a new shape, ~180 ms on an H200); it must contain 1.
+    ``cuda_graphs``: each fixed step size is captured as a CUDA graph by ``warmup()`` (one session, one graph per
+    size, replayed over persistent device buffers); sizes not yet captured run as ordinary calls. Captures happen
+    only inside ``warmup()``, with every other call on the generator locked out.
     """
 
     device_id: int = 0
     use_tf32: bool = False
     cudnn_conv_algo_search: str = "HEURISTIC"
     step_sizes: tuple[int, ...] = (24, 16, 8, 4, 2, 1)
+    cuda_graphs: bool = True
 
     def provider_options(self) -> dict[str, str]:
         return {"device_id": str(self.device_id), "use_tf32": "1" if self.use_tf32 else "0",
@@ -90,21 +95,66 @@ def _check_metadata(session: ort.InferenceSession, manifest: Manifest, path: Any
 class _StepSession:
     """One step graph: named inputs in, named outputs out; caches as a dict of per-name arrays."""
 
-    def __init__(self, session: ort.InferenceSession, caches: tuple[CacheSpec, ...]) -> None:
+    def __init__(self, session: ort.InferenceSession, caches: tuple[CacheSpec, ...],
+                 options: ort.RunOptions | None = None) -> None:
         self.session = session
         self.caches = caches
+        self.options = options
         self.outputs = [o.name for o in session.get_outputs()]
         self.has_next = any(name.startswith(NEXT_PREFIX) for name in self.outputs)
 
     def run(self, feed: dict[str, np.ndarray], caches: dict[str, np.ndarray]) -> tuple[list[np.ndarray], Any]:
         for spec in self.caches:
             feed[CACHE_PREFIX + spec.name] = caches[spec.name]
-        values = self.session.run(self.outputs, feed)
+        values = self.session.run(self.outputs, feed, self.options)
         lead = [v for name, v in zip(self.outputs, values) if not name.startswith(NEXT_PREFIX)]
         if not self.has_next:
             return lead, None
         nxt = {name[len(NEXT_PREFIX):]: v for name, v in zip(self.outputs, values) if name.startswith(NEXT_PREFIX)}
         return lead, nxt
+
+
+class _GraphStep:
+    """The generator step of one fixed size as a CUDA graph: every input and output lives in a persistent device
+    buffer (a captured graph replays over exactly these addresses); a call copies its inputs in and its outputs out.
+    The caller serialises calls (the buffers are shared)."""
+
+    def __init__(self, session: ort.InferenceSession, graph_id: int, size: int, constants: StreamConstants,
+                 device_id: int) -> None:
+        c = constants
+        self.session, self.size = session, size
+        src = size + c.source_look_ahead
+        shapes: dict[str, tuple[tuple[int, ...], Any]] = {
+            "mel": ((1, c.in_channels, size + c.mel_look_ahead), np.float32), "f0": ((1, src), np.float32),
+            "noise": ((1, src * c.samples_per_frame, c.num_sines), np.float32),
+            "phase_in": ((1, c.num_sines), np.float64), "first": ((1, 1), np.bool_)}
+        for spec in c.generator_caches:
+            shapes[CACHE_PREFIX + spec.name] = ((1, *spec.shape), np.dtype(spec.dtype))
+        out_shapes: dict[str, tuple[tuple[int, ...], Any]] = {
+            "audio": ((1, size * c.samples_per_frame), np.float32), "phase_out": ((1, c.num_sines), np.float64)}
+        for spec in c.generator_caches:
+            out_shapes[NEXT_PREFIX + spec.name] = ((1, *spec.shape), np.dtype(spec.dtype))
+        self.inputs = {k: ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, dtype), "cuda", device_id)
+                       for k, (shape, dtype) in shapes.items()}
+        self.outputs = {k: ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, "cuda", device_id)
+                        for k, (shape, dtype) in out_shapes.items()}
+        self.binding = session.io_binding()
+        for k, v in self.inputs.items():
+            self.binding.bind_ortvalue_input(k, v)
+        for k, v in self.outputs.items():
+            self.binding.bind_ortvalue_output(k, v)
+        self.options = ort.RunOptions()
+        self.options.add_run_config_entry("gpu_graph_id", str(graph_id))
+        self.captured = False
+
+    def run(self, feed: dict[str, np.ndarray], caches: dict[str, np.ndarray]) -> tuple[list[np.ndarray], Any]:
+        for k, v in feed.items():
+            self.inputs[k].update_inplace(np.ascontiguousarray(v))
+        for k, v in caches.items():
+            self.inputs[CACHE_PREFIX + k].update_inplace(np.ascontiguousarray(v))
+        self.session.run_with_iobinding(self.binding, self.options)
+        nxt = {k[len(NEXT_PREFIX):]: v.numpy() for k, v in self.outputs.items() if k.startswith(NEXT_PREFIX)}
+        return [self.outputs["audio"].numpy(), self.outputs["phase_out"].numpy()], nxt
 
 
 class OrtBackend:
@@ -143,8 +193,27 @@ class OrtBackend:
                     raise ArtifactError(f"device='cuda' requested but {reason}; install onnxruntime-gpu "
                                         f"(and not onnxruntime beside it)")
         gen = constants.generator_caches
-        self._gen = {final: _StepSession(self._session(role, opts, providers, gen), gen)
-                     for final, role in ((False, GENERATOR_STEP), (True, GENERATOR_STEP_FINAL))}
+        self._cuda = cuda or CudaOptions()
+        self._graphs: dict[int, _GraphStep] = {}
+        self._lock = threading.Lock()  # CUDA-graph buffers are shared, and a capture must run alone on the device
+        step_providers = providers
+        if providers[0] != CPU and self._cuda.cuda_graphs:
+            step_providers = [(CUDA, self._cuda.provider_options() | {"enable_cuda_graph": "1"}), CPU]
+        try:
+            step = self._session(GENERATOR_STEP, opts, step_providers, gen)
+        except ArtifactError:
+            if step_providers is providers:
+                raise
+            log.warning("hift_runtime: the generator step cannot be captured as a CUDA graph here; running it "
+                        "without CUDA graphs")
+            step_providers = providers
+            step = self._session(GENERATOR_STEP, opts, providers, gen)
+        self._graphs_enabled = step_providers is not providers
+        self._plain = ort.RunOptions()
+        if self._graphs_enabled:
+            self._plain.add_run_config_entry("gpu_graph_id", "-1")  # ordinary call: no capture, no replay
+        self._gen = {False: _StepSession(step, gen, self._plain),
+                     True: _StepSession(self._session(GENERATOR_STEP_FINAL, opts, providers, gen), gen)}
         active = self._gen[False].session.get_providers()[0]
         if providers[0] != CPU and active != CUDA:
             reason = "CUDA EP could not start (no GPU or driver/CUDA libraries missing)"
@@ -178,20 +247,36 @@ class OrtBackend:
                        first: np.ndarray, caches: dict[str, np.ndarray],
                        final: bool) -> tuple[np.ndarray, np.ndarray, Any]:
         feed = {"mel": mel, "f0": f0, "noise": noise, "phase_in": phase_in, "first": first}
-        (audio, phase_out), nxt = self._gen[final].run(feed, caches)
+        if self.generator_provider != CUDA:
+            (audio, phase_out), nxt = self._gen[final].run(feed, caches)
+            return audio, phase_out, nxt
+        with self._lock:
+            graph = None if final or mel.shape[0] != 1 else self._graphs.get(f0.shape[1] - self.constants.source_look_ahead)
+            runner = graph if graph is not None and graph.captured else self._gen[final]
+            (audio, phase_out), nxt = runner.run(feed, caches)
         return audio, phase_out, nxt
 
     def warmup(self, step_sizes: tuple[int, ...] | None) -> None:
-        """Run every fixed step shape once (on the CUDA EP this builds each shape's cuDNN state); no-op on the CPU."""
+        """Prepare every fixed step size on the CUDA EP: build its cuDNN state and, with ``cuda_graphs``, capture its
+        CUDA graph (with every other generator call locked out). A no-op on the CPU, where nothing is compiled."""
         if self.generator_provider != CUDA or not step_sizes:
             return
         c = self.constants
-        for size in step_sizes:
-            self.generator_step(np.zeros((1, c.in_channels, size + c.mel_look_ahead), np.float32),
-                                np.zeros((1, size + c.source_look_ahead), np.float32),
-                                np.zeros((1, (size + c.source_look_ahead) * c.samples_per_frame, c.num_sines),
-                                         np.float32), np.zeros((1, c.num_sines)), np.array([[True]]),
-                                self.new_caches("generator"), False)
+        with self._lock:
+            for size in step_sizes:
+                src = size + c.source_look_ahead
+                feed = {"mel": np.zeros((1, c.in_channels, size + c.mel_look_ahead), np.float32),
+                        "f0": np.zeros((1, src), np.float32),
+                        "noise": np.zeros((1, src * c.samples_per_frame, c.num_sines), np.float32),
+                        "phase_in": np.zeros((1, c.num_sines)), "first": np.array([[True]])}
+                caches = self.new_caches("generator")
+                self._gen[False].run(dict(feed), caches)
+                if self._graphs_enabled and size not in self._graphs:
+                    graph = _GraphStep(self._gen[False].session, len(self._graphs) + 1, size, c, self._cuda.device_id)
+                    for _ in range(3):  # ORT runs a graph id normally before it captures it
+                        graph.run(dict(feed), caches)
+                    graph.captured = True
+                    self._graphs[size] = graph
 
 
 def open_vocoder(artifacts: str | os.PathLike[str], *, device: Device = "auto",

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from hift_runtime import ArtifactError, MelError, StreamError, open_vocoder
-from hift_runtime.manifest import F0, GENERATOR_STREAM, MANIFEST_NAME
+from hift_runtime.manifest import F0_STEP, GENERATOR_STEP, MANIFEST_NAME
 
 from .test_streaming import random_mel
 
@@ -35,8 +35,8 @@ BAD_CHUNKS = {
     "81_bins": (np.zeros((81, 5), np.float32), MelError, "81 channels"),
     "transposed": (np.zeros((5, 80), np.float32), MelError, "transpose"),
     "batch2": (np.zeros((2, 80, 5), np.float32), MelError, "batch size 2"),
-    "int": (np.zeros((80, 5), np.int32), TypeError, "dtype int32"),
-    "bool": (np.zeros((80, 5), bool), TypeError, "dtype bool"),
+    "int": (np.zeros((80, 5), np.int32), MelError, "dtype int32"),
+    "bool": (np.zeros((80, 5), bool), MelError, "dtype bool"),
     "nan": (np.full((80, 5), np.nan, np.float32), MelError, "non-finite"),
     "inf": (np.concatenate([np.zeros((80, 4)), np.full((80, 1), -np.inf)], 1).astype(np.float32), MelError,
             "frame 4"),
@@ -71,6 +71,8 @@ def test_accepted_layouts_and_dtypes(vocoder):
     variants["readonly"].setflags(write=False)
     for name, variant in variants.items():
         np.testing.assert_array_equal(vocoder.stream().push(variant), ref, err_msg=name)
+    half = mel.astype(np.float16)  # converted to float32, exactly as the caller's own conversion would
+    np.testing.assert_array_equal(vocoder.stream().push(half), vocoder.stream().push(half.astype(np.float32)))
 
 
 def test_out_of_range_mel_warns_once(vocoder):
@@ -113,8 +115,8 @@ def test_missing_folder_and_manifest(tmp_path):
 
 
 def test_missing_file(artifacts_copy):
-    (artifacts_copy / "hift_f0.onnx").unlink()
-    with pytest.raises(ArtifactError, match="hift_f0.onnx.*missing"):
+    (artifacts_copy / "hift_f0_step.onnx").unlink()
+    with pytest.raises(ArtifactError, match="hift_f0_step.onnx.*missing"):
         open_vocoder(artifacts_copy)
 
 
@@ -138,11 +140,19 @@ def _newer_format(data):
 
 
 def _renamed_input(data):
-    data["artifacts"][GENERATOR_STREAM]["inputs"][0]["name"] = "spectrogram"
+    data["artifacts"][GENERATOR_STEP]["inputs"][0]["name"] = "spectrogram"
 
 
 def _float64_f0(data):
-    data["artifacts"][F0]["inputs"][0]["dtype"] = "float64"
+    data["artifacts"][F0_STEP]["inputs"][0]["dtype"] = "float64"
+
+
+def _cache_shape(data):
+    data["step"]["generator_caches"][0]["shape"][1] += 1
+
+
+def _cache_init(data):
+    data["step"]["generator_caches"][3]["init"] = "ones"
 
 
 def _other_config(data):
@@ -151,10 +161,13 @@ def _other_config(data):
 
 @pytest.mark.parametrize("edit, match", [
     (_newer_format, "format version 99, newer"),
-    (_renamed_input, "hift_generator_stream.onnx: graph signature"),
-    (_float64_f0, "hift_f0.onnx: the F0 graph must take and return float32"),
+    (_renamed_input, "hift_generator_step.onnx: graph signature"),
+    (_float64_f0, "hift_f0_step.onnx: the F0 graph must take and return float32"),
     (_other_config, "differs from manifest.json"),  # graphs from another export
-], ids=["newer_format_version", "signature_mismatch", "f0_not_float32", "mixed_exports"])
+    (_cache_shape, "cache.ups.0 is .* the manifest's cache layout says"),
+    (_cache_init, "initial value 'ones'"),
+], ids=["newer_format_version", "signature_mismatch", "f0_not_float32", "mixed_exports", "cache_shape",
+        "cache_init"])
 def test_manifest_mismatches_are_refused(artifacts_copy, edit, match):
     data = _manifest(artifacts_copy)
     edit(data)
@@ -166,12 +179,12 @@ def test_manifest_mismatches_are_refused(artifacts_copy, edit, match):
 def test_vocode_cli_on_damaged_artifacts_is_one_line(artifacts_copy, tmp_path, capsys):
     from hift_runtime.cli import main
 
-    (artifacts_copy / "hift_f0.onnx").write_bytes(b"garbage")
+    (artifacts_copy / "hift_f0_step.onnx").write_bytes(b"garbage")
     np.save(tmp_path / "mel.npy", random_mel(20))
     code = main(["--artifacts", str(artifacts_copy), "--mel", str(tmp_path / "mel.npy"), "--out",
                  str(tmp_path / "a.wav"), "--quiet"])
     err = capsys.readouterr().err
-    assert code == 2 and "hift_f0.onnx" in err and "Traceback" not in err
+    assert code == 2 and "hift_f0_step.onnx" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
 # ---- load ----------------------------------------------------------------------------------------------------------

@@ -12,7 +12,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hift_runtime import NoiseTable, open_vocoder
-from hift_runtime.audio_io import read_wav
 from hift_runtime.cli import chunk_sizes, main as vocode_main, parse_schedule
 
 from .conftest import ROOT, max_abs, needs_fixtures, snr_db
@@ -289,19 +288,30 @@ def test_schedule_parsing():
             parse_schedule(bad)
 
 
-def test_vocode_cli_stream_offline_wav_npy(small_artifacts, tmp_path, capsys):
+def test_vocode_cli_stream_offline_and_audio_formats(small_artifacts, tmp_path, capsys):
+    import wave
+
+    import soundfile
+
     mel = random_mel(90, 2)
     np.save(tmp_path / "mel.npy", mel[None])
-    args = ["--artifacts", str(small_artifacts.out), "--mel", str(tmp_path / "mel.npy"), "--quiet"]
-    assert vocode_main(args + ["--out", str(tmp_path / "a.wav"), "--chunks", "30,20,7"]) == 0
+    args = ["--artifacts", str(small_artifacts.out), "--mel", str(tmp_path / "mel.npy")]
+    assert vocode_main(args + ["--out", str(tmp_path / "a.npy"), "--chunks", "30,20,7"]) == 0
     assert "RTF" in capsys.readouterr().out
-    assert vocode_main(args + ["--out", str(tmp_path / "b.npy"), "--offline"]) == 0
-    assert vocode_main(args + ["--out", str(tmp_path / "c.wav"), "--pcm16"]) == 0
-    wav, rate = read_wav(tmp_path / "a.wav")
-    offline = np.load(tmp_path / "b.npy")
-    pcm, _ = read_wav(tmp_path / "c.wav")
-    assert rate == 24000 and wav.shape == offline.shape == pcm.shape == (90 * 480,)
-    assert max_abs(wav, offline) <= 1e-5 and max_abs(pcm, offline) <= 1 / 32767 + 1e-6
+    assert vocode_main(args + ["--out", str(tmp_path / "b.npy"), "--offline", "--quiet"]) == 0
+    assert capsys.readouterr().out == ""  # --quiet prints nothing
+    for name, extra in (("c.wav", []), ("d.wav", ["--subtype", "FLOAT"]), ("e.flac", []), ("f.wav", ["--subtype",
+                                                                                                      "PCM_16"])):
+        assert vocode_main(args + ["--out", str(tmp_path / name), "--quiet", *extra]) == 0
+    streamed, offline = np.load(tmp_path / "a.npy"), np.load(tmp_path / "b.npy")
+    assert streamed.shape == offline.shape == (90 * 480,)
+    assert max_abs(streamed, offline) <= STEP_MAX_ABS
+    # The default WAV is 24-bit PCM: the standard library's wave module opens it.
+    with wave.open(str(tmp_path / "c.wav")) as w:
+        assert (w.getframerate(), w.getsampwidth(), w.getnchannels(), w.getnframes()) == (24000, 3, 1, 90 * 480)
+    for name, step in (("c.wav", 2 ** -23), ("d.wav", 0.0), ("e.flac", 2 ** -23), ("f.wav", 2 ** -15)):
+        data, rate = soundfile.read(str(tmp_path / name), dtype="float64")
+        assert rate == 24000 and max_abs(data, streamed.astype(np.float64)) <= step, name
 
 
 def test_vocode_cli_check_writes_report_and_plot(small_artifacts, tmp_path, capsys):
@@ -318,7 +328,10 @@ def test_vocode_cli_check_writes_report_and_plot(small_artifacts, tmp_path, caps
 @pytest.mark.parametrize("extra, message", [
     (["--mel", "/nonexistent.npy"], "does not exist"),
     (["--chunks", "x"], "--chunks"),
-    (["--out", "/tmp/x.mp3"], ".wav or .npy"),
+    (["--out", "/tmp/x.mp3"], "--out must end in .wav, .flac, .ogg or .npy"),
+    (["--out", "/nonexistent/x.wav"], "output folder /nonexistent does not exist"),
+    (["--device", "gpu"], "invalid choice: 'gpu'"),
+    (["--noise-table", "/nonexistent.npy"], "noise table /nonexistent.npy does not exist"),
 ])
 def test_vocode_cli_errors_are_one_line(small_artifacts, tmp_path, extra, message, capsys):
     np.save(tmp_path / "mel.npy", random_mel(20))
@@ -326,9 +339,12 @@ def test_vocode_cli_errors_are_one_line(small_artifacts, tmp_path, extra, messag
             "--out": str(tmp_path / "a.wav")}
     for k, v in zip(extra[::2], extra[1::2]):
         argv[k] = v
-    code = vocode_main([x for kv in argv.items() for x in kv] + ["--quiet"])
+    try:
+        code = vocode_main([x for kv in argv.items() for x in kv] + ["--quiet"])
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
     err = capsys.readouterr().err
-    assert code == 2 and message in err and "Traceback" not in err
+    assert code == 2 and message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
 def test_cli_argument_errors_are_one_line(capsys):
@@ -338,7 +354,7 @@ def test_cli_argument_errors_are_one_line(capsys):
     assert exc.value.code == 2 and len(err.strip().splitlines()) == 1 and "required" in err
 
 
-def test_emitted_chunks_do_not_pin_window_buffers(small_vocoder):
+def test_emitted_chunks_do_not_pin_step_buffers(small_vocoder):
     stream = small_vocoder.stream()
     mel = random_mel(120, 6)
     pieces = [stream.push(mel[:, pos:pos + 24]) for pos in range(0, 120, 24)] + [stream.finish()]
