@@ -72,6 +72,74 @@ def stream_arm(vocoder, mel: np.ndarray, chunk: int, repeats: int) -> dict[str, 
             "rtf": round(min(walls) / seconds, 4)}
 
 
+class TimingBackend:
+    """Wraps a backend and adds up the wall time of its F0 and generator steps (the rest of a push is bookkeeping)."""
+
+    def __init__(self, backend) -> None:
+        self.backend, self.name = backend, backend.name
+        self.f0_s = self.gen_s = 0.0
+
+    def new_caches(self, kind: str, batch: int = 1):
+        return self.backend.new_caches(kind, batch)
+
+    def f0_step(self, *args):
+        t0 = time.perf_counter()
+        out = self.backend.f0_step(*args)
+        self.f0_s += time.perf_counter() - t0
+        return out
+
+    def generator_step(self, *args):
+        t0 = time.perf_counter()
+        out = self.backend.generator_step(*args)
+        self.gen_s += time.perf_counter() - t0
+        return out
+
+
+def push_breakdown(vocoder, mel: np.ndarray) -> dict[str, float]:
+    """Median push split into F0 step, generator step(s) and bookkeeping (noise rows, slicing, checks)."""
+    from hift_runtime.streaming import StreamingVocoder
+
+    timing = TimingBackend(vocoder.backend)
+    timed = StreamingVocoder(timing, vocoder.constants, vocoder.noise, step_sizes=vocoder.step_sizes)
+    stream = timed.stream()
+    stream.push(mel[:, :48])
+    rows = []
+    for pos in range(48, mel.shape[1] - 24, 24):
+        timing.f0_s = timing.gen_s = 0.0
+        t0 = time.perf_counter()
+        stream.push(mel[:, pos:pos + 24])
+        total = time.perf_counter() - t0
+        rows.append((total, timing.f0_s, timing.gen_s))
+    a = np.median(np.asarray(rows), axis=0) * 1e3
+    return {"push_ms": round(float(a[0]), 3), "f0_step_ms": round(float(a[1]), 3),
+            "generator_step_ms": round(float(a[2]), 3), "bookkeeping_ms": round(float(a[0] - a[1] - a[2]), 3)}
+
+
+def f0_on_cuda(artifacts: Path, manifest, ort) -> dict[str, Any]:
+    """The float64 F0 step on the CUDA EP vs the CPU EP: time per 24-frame step and equality."""
+    path = str(artifacts / "hift_f0_step.onnx")
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    sessions = {"cpu": ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"]),
+                "cuda": ort.InferenceSession(path, opts, providers=["CUDAExecutionProvider", "CPUExecutionProvider"])}
+    feed = {"mel": synthetic_mel(27)[None]}
+    for e in manifest.step["f0_caches"]:
+        feed["cache." + e["name"]] = np.random.default_rng(0).random((1, *e["shape"]))
+    out, result = {}, {}
+    for name, sess in sessions.items():
+        for _ in range(5):
+            out[name] = sess.run(None, feed)
+        lat = []
+        for _ in range(50):
+            t0 = time.perf_counter()
+            sess.run(None, feed)
+            lat.append(time.perf_counter() - t0)
+        result[name] = stats(lat)
+    result["f0_equal"] = bool(np.array_equal(out["cpu"][0], out["cuda"][0]))
+    result["f0_max_abs"] = float(np.max(np.abs(out["cpu"][0] - out["cuda"][0])))
+    return result
+
+
 def gflop_per_step(hift, steps: int) -> float:
     import torch
     from torch.utils.flop_counter import FlopCounterMode
@@ -116,7 +184,8 @@ def cpu_arms(args, result: dict[str, Any]) -> None:
     mel = synthetic_mel(int(args.seconds * 50))
     arms = {"step_ort": stream_arm(vocoder, mel, 24, args.repeats),
             "step_eager": stream_arm(eager, mel, 24, 1),
-            "window_eager": window_eager_arm(hift, mel, vocoder.noise)}
+            "window_eager": window_eager_arm(hift, mel, vocoder.noise),
+            "breakdown_step_ort": push_breakdown(vocoder, mel)}
     arms["step_ort_generator_frames_per_push"] = 24
     result["cpu"] = arms
     result["gflop_per_24_frame_step"] = round(gflop_per_step(hift, 24), 2)
@@ -269,8 +338,11 @@ def gpu_arms(args, result: dict[str, Any]) -> None:
         attempt(f"push_{name}", lambda v=v, open_s=open_s: {**stream_arm(v, mel, 24, args.repeats),
                                                             "open_and_warmup_s": round(open_s, 2)})
         attempt(f"push_{name}_chunk50", lambda v=v: stream_arm(v, mel, 50, 1))
+    for name, (v, _) in gpu.items():
+        attempt(f"breakdown_{name}", lambda v=v: push_breakdown(v, mel))
     sizes = [1, 8, 64, 256]
     manifest = cpu.backend.manifest
+    attempt("f0_step_cpu_vs_cuda", lambda: f0_on_cuda(artifacts, manifest, ort))
     attempt("generator_step_tf32_off", lambda: generator_alone(artifacts, manifest, sizes, False, ort))
     attempt("generator_step_tf32_on", lambda: generator_alone(artifacts, manifest, sizes, True, ort))
     config = HiFTConfig.from_dict(manifest.config)

@@ -85,6 +85,12 @@ def _sibling(out: Path, kind: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=f".{out.name}.{kind}-", dir=out.parent))
 
 
+def _remove_stale_siblings(out: Path) -> None:
+    """Staging and old folders left beside ``out`` by an export that was killed."""
+    for stale in list(out.parent.glob(f".{out.name}.staging-*")) + list(out.parent.glob(f".{out.name}.old-*")):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
 def _swap_into_place(staging: Path, out: Path) -> None:
     """Replace ``out`` by ``staging`` as a whole. Files in ``out`` that no export wrote (a README, the user's audio)
     move over; the files of the earlier export go with it."""
@@ -142,8 +148,7 @@ def export_artifacts(checkpoint: CheckpointSource | None = None, out: str | os.P
     contract = step_contract(config, f0_dtype)
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    for stale in list(out.parent.glob(f".{out.name}.staging-*")) + list(out.parent.glob(f".{out.name}.old-*")):
-        shutil.rmtree(stale, ignore_errors=True)  # left by an export that was killed
+    _remove_stale_siblings(out)
     staging = _sibling(out, "staging")
     try:
         artifacts: dict[str, dict[str, Any]] = {}

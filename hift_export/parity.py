@@ -61,7 +61,7 @@ class ReplayingBackend:
         self.name = f"{primary.name}+replay({reference.name})"
         self.f0_relative: list[float] = []
         self.audio_max_abs: list[float] = []
-        self.cache_max_abs: list[float] = []
+        self.cache_error: list[float] = []
 
     def new_caches(self, kind: str, batch: int = 1) -> Any:
         return self.primary.new_caches(kind, batch)
@@ -69,7 +69,9 @@ class ReplayingBackend:
     def _compare_caches(self, ours: Any, theirs: Any) -> None:
         if ours is not None:
             a, b = _numpy(ours), _numpy(theirs)
-            self.cache_max_abs.append(max((max_abs(a[k], b[k]) for k in a), default=0.0))
+            # Relative to each cache's scale where it exceeds 1 (resblock caches reach ~100, where a float32 ulp is 8e-6).
+            self.cache_error.append(max((max_abs(a[k], b[k]) / max(1.0, float(np.max(np.abs(b[k])))) for k in a),
+                                          default=0.0))
 
     def f0_step(self, mel: np.ndarray, caches: Any) -> tuple[np.ndarray, Any]:
         out, nxt = self.primary.f0_step(mel, caches)
@@ -105,11 +107,11 @@ class ParityReport:
     chunks: list[ChunkParity] = field(default_factory=list)
     stage_f0_relative_max: float = 0.0
     stage_audio_max_abs: float = 0.0
-    stage_cache_max_abs: float = 0.0
+    stage_cache_error: float = 0.0
     end_to_end_max_abs: float = 0.0
     end_to_end_snr_db: float = 0.0
     tolerances: dict[str, float] = field(default_factory=lambda: {
-        "stage_f0_relative": STAGE_F0_RELATIVE, "stage_audio_max_abs": STAGE_AUDIO, "stage_cache_max_abs": STAGE_AUDIO,
+        "stage_f0_relative": STAGE_F0_RELATIVE, "stage_audio_max_abs": STAGE_AUDIO, "stage_cache_error": STAGE_AUDIO,
         "end_to_end_snr_db": END_TO_END_SNR_DB})
     passed: bool = False
 
@@ -165,11 +167,11 @@ def run_parity(vocoder: StreamingVocoder, reference: TorchBackend, mel: np.ndarr
     a, b = np.concatenate(outs[0]), np.concatenate(outs[1])
     report.stage_f0_relative_max = max(replay.f0_relative, default=0.0)
     report.stage_audio_max_abs = max(replay.audio_max_abs, default=0.0)
-    report.stage_cache_max_abs = max(replay.cache_max_abs, default=0.0)
+    report.stage_cache_error = max(replay.cache_error, default=0.0)
     report.end_to_end_max_abs = max_abs(a, b)
     report.end_to_end_snr_db = snr_db(a, b)
     report.passed = (report.stage_f0_relative_max <= STAGE_F0_RELATIVE and report.stage_audio_max_abs <= STAGE_AUDIO
-                     and report.stage_cache_max_abs <= STAGE_AUDIO and report.end_to_end_snr_db >= END_TO_END_SNR_DB)
+                     and report.stage_cache_error <= STAGE_AUDIO and report.end_to_end_snr_db >= END_TO_END_SNR_DB)
     return report, a, b
 
 

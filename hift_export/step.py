@@ -140,14 +140,15 @@ def generator_step(gen: CausalHiFTGenerator, mel: torch.Tensor, f0: torch.Tensor
     # Source: frames [a, a+c+1) (stream) or [a, N) (final); the STFT frames [120a, 120(a+c)] from it.
     source, cum = gen.m_source(f0, noise, phase_in)
     phase_out = cum[:, -1] if final else cum[:, -2]
-    steps = mel.shape[-1] if final else mel.shape[-1] - cfg.conv_pre_look_right  # c
+    # Every slice below is relative to an end with a constant offset, so each shape is affine in c (no data-dependent
+    # sizes for torch.export).
     spf = cfg.samples_per_frame
     head = torch.where(first3, torch.flip(source[..., 1:half + 1], dims=[-1]), caches["source"])
     if final:
         src = torch.cat([head, source, torch.flip(source[..., -half - 1:-1], dims=[-1])], dim=-1)
     else:
-        src = torch.cat([head, source[..., : spf * steps + half]], dim=-1)
-        new["source"] = source[..., spf * steps - half: spf * steps]
+        src = torch.cat([head, source[..., : half - spf]], dim=-1)  # up to 8 samples into frame a+c
+        new["source"] = source[..., -spf - half: -spf]
     s_stft = F.conv1d(src, gen.spectral.stft_kernel, stride=cfg.hop_len)  # 120c + 1 frames
 
     x = gen.conv_pre(mel, pad_right=final)
@@ -191,15 +192,19 @@ def generator_step(gen: CausalHiFTGenerator, mel: torch.Tensor, f0: torch.Tensor
     before = overlap // cfg.hop_len  # frames before this step that still reach its samples (3)
     exists = torch.cat([torch.where(first3, 0.0, 1.0).expand(-1, 1, before), torch.ones_like(x[:, :1, :])], dim=-1)
     envelope = F.conv_transpose1d(exists, gen.spectral.window_sq, stride=cfg.hop_len)[..., overlap:]
+    # The envelope is 0 only at the utterance's very first sample (where y is 0 too), inside the centring trim: a
+    # floor there keeps 0/0 out of the discarded samples and changes no other value (the next smallest is 1.4e-3).
+    envelope = torch.clamp(envelope, min=1e-11)
     if final:
-        done = y[..., : y.shape[-1] - half] / envelope[..., : y.shape[-1] - half]
+        done = y[..., :-half] / envelope[..., :-half]  # the centring trim at the end
     else:
-        done = y[..., : spf * steps] / envelope[..., : spf * steps]
-        new["istft_tail"] = y[..., spf * steps:]
+        done = y[..., :-overlap] / envelope[..., :-overlap]
+        new["istft_tail"] = y[..., -overlap:]
+    delay = caches["audio_delay"].shape[-1]
     audio = torch.cat([caches["audio_delay"], done], dim=-1)
     if not final:
-        new["audio_delay"] = audio[..., spf * steps:]
-        audio = audio[..., : spf * steps]
+        new["audio_delay"] = audio[..., -delay:]
+        audio = audio[..., :-delay]
     audio = torch.clamp(audio[:, 0, :], -cfg.audio_limit, cfg.audio_limit)
     return audio, phase_out, ({} if final else new)
 

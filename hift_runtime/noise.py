@@ -25,13 +25,15 @@ _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2 = np.uint64(0x94D049BB133111EB)
 
 
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    """SplitMix64 finaliser on a uint64 array (wrapping arithmetic is intended)."""
+def _splitmix64_inplace(z: np.ndarray) -> None:
+    """SplitMix64 finaliser of ``z + golden``, in place on a uint64 array (wrapping arithmetic is intended)."""
     with np.errstate(over="ignore"):
-        z = x + _GOLDEN
-        z = (z ^ (z >> np.uint64(30))) * _MIX1
-        z = (z ^ (z >> np.uint64(27))) * _MIX2
-        return z ^ (z >> np.uint64(31))
+        z += _GOLDEN
+        z ^= z >> np.uint64(30)
+        z *= _MIX1
+        z ^= z >> np.uint64(27)
+        z *= _MIX2
+        z ^= z >> np.uint64(31)
 
 
 class NoiseTableError(ValueError):
@@ -85,13 +87,20 @@ class NoiseTable:
                 return np.array(self._table[first:first + count], dtype=np.float32)
             index = (first + np.arange(count, dtype=np.int64)) % self.length
             return np.asarray(self._table[index], dtype=np.float32)
-        index = (first + np.arange(count, dtype=np.uint64)) % np.uint64(self.length)
-        cells = index[:, None] * np.uint64(self.columns) + np.arange(self.columns, dtype=np.uint64)[None, :]
+        if first + count <= self.length:  # no wrap: skip the (slow) uint64 modulo
+            index = np.arange(first, first + count, dtype=np.uint64)
+        else:
+            index = (first + np.arange(count, dtype=np.uint64)) % np.uint64(self.length)
         with np.errstate(over="ignore"):
             key = np.uint64(self.seed) * _GOLDEN
-            bits = _splitmix64(cells + key)
+            index *= np.uint64(self.columns)
+            z = index[:, None] + (np.arange(self.columns, dtype=np.uint64) + key)[None, :]
+            _splitmix64_inplace(z)
         # Top 24 bits -> exactly representable float32 in [0, 1).
-        return ((bits >> np.uint64(40)).astype(np.float32) * np.float32(1.0 / (1 << 24)))
+        z >>= np.uint64(40)
+        out = z.astype(np.float32)
+        out *= np.float32(1.0 / (1 << 24))
+        return out
 
     def __repr__(self) -> str:
         return f"NoiseTable({self.source}, length={self.length}, columns={self.columns})"

@@ -45,6 +45,9 @@ class CudaOptions:
     cudnn_conv_algo_search: str = "HEURISTIC"
     step_sizes: tuple[int, ...] = (24, 16, 8, 4, 2, 1)
     cuda_graphs: bool = True
+    # The F0 step (float64 inside) on the GPU: bit-identical to the CPU EP's F0 and 2.3x faster per 24-frame step
+    # on an H200 (0.79 vs 1.80 ms, benchmarks/results/gpu-h200-step.json); False keeps it on the CPU.
+    f0_on_cuda: bool = True
 
     def provider_options(self) -> dict[str, str]:
         return {"device_id": str(self.device_id), "use_tf32": "1" if self.use_tf32 else "0",
@@ -87,9 +90,11 @@ def _check_metadata(session: ort.InferenceSession, manifest: Manifest, path: Any
     raw = meta.get(METADATA_PREFIX + "config")
     if raw is None:
         raise ArtifactError(f"{path} carries no {METADATA_PREFIX}config metadata: not written by hift-export")
-    if json.loads(raw) != manifest.config or json.loads(meta.get(METADATA_PREFIX + "step", "null")) != manifest.step:
-        raise ArtifactError(f"{path}: the config or step contract in the graph's metadata differs from manifest.json; "
-                            f"the folder mixes files of two exports; re-export")
+    for key, want in (("config", manifest.config), ("step", manifest.step)):
+        if json.loads(meta.get(METADATA_PREFIX + key, "null")) != want:
+            what = "config" if key == "config" else "step contract (cache layout)"
+            raise ArtifactError(f"{path}: the {what} in the graph's metadata differs from manifest.json's; the "
+                                f"folder mixes files of two exports, or the manifest was edited; re-export")
 
 
 class _StepSession:
@@ -114,35 +119,59 @@ class _StepSession:
         return lead, nxt
 
 
+class PackedCaches(dict):
+    """A stream's caches as named views into one contiguous buffer, so a CUDA-graph step moves them across the bus
+    in one copy each way instead of one per cache."""
+
+    def __init__(self, specs: tuple[CacheSpec, ...], buffer: np.ndarray | None = None) -> None:
+        sizes = [int(np.prod(spec.shape)) for spec in specs]
+        if any(spec.dtype != "float32" for spec in specs):
+            raise ValueError("packed caches are float32")
+        self.buffer = np.zeros(sum(sizes), np.float32) if buffer is None else buffer
+        offset = 0
+        views = {}
+        for spec, size in zip(specs, sizes):
+            views[spec.name] = self.buffer[offset:offset + size].reshape(1, *spec.shape)
+            offset += size
+        super().__init__(views)
+
+
 class _GraphStep:
     """The generator step of one fixed size as a CUDA graph: every input and output lives in a persistent device
-    buffer (a captured graph replays over exactly these addresses); a call copies its inputs in and its outputs out.
-    The caller serialises calls (the buffers are shared)."""
+    buffer (a captured graph replays over exactly these addresses); the caches are bound at offsets of one packed
+    buffer each way. A call copies its inputs in and its outputs out; the caller serialises calls."""
 
     def __init__(self, session: ort.InferenceSession, graph_id: int, size: int, constants: StreamConstants,
                  device_id: int) -> None:
         c = constants
-        self.session, self.size = session, size
+        self.session, self.size, self.specs = session, size, c.generator_caches
         src = size + c.source_look_ahead
         shapes: dict[str, tuple[tuple[int, ...], Any]] = {
             "mel": ((1, c.in_channels, size + c.mel_look_ahead), np.float32), "f0": ((1, src), np.float32),
             "noise": ((1, src * c.samples_per_frame, c.num_sines), np.float32),
             "phase_in": ((1, c.num_sines), np.float64), "first": ((1, 1), np.bool_)}
-        for spec in c.generator_caches:
-            shapes[CACHE_PREFIX + spec.name] = ((1, *spec.shape), np.dtype(spec.dtype))
         out_shapes: dict[str, tuple[tuple[int, ...], Any]] = {
             "audio": ((1, size * c.samples_per_frame), np.float32), "phase_out": ((1, c.num_sines), np.float64)}
-        for spec in c.generator_caches:
-            out_shapes[NEXT_PREFIX + spec.name] = ((1, *spec.shape), np.dtype(spec.dtype))
         self.inputs = {k: ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, dtype), "cuda", device_id)
                        for k, (shape, dtype) in shapes.items()}
         self.outputs = {k: ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, "cuda", device_id)
                         for k, (shape, dtype) in out_shapes.items()}
+        total = sum(int(np.prod(spec.shape)) for spec in self.specs)
+        self.caches_in = ort.OrtValue.ortvalue_from_numpy(np.zeros(total, np.float32), "cuda", device_id)
+        self.caches_out = ort.OrtValue.ortvalue_from_shape_and_type([total], np.float32, "cuda", device_id)
         self.binding = session.io_binding()
         for k, v in self.inputs.items():
             self.binding.bind_ortvalue_input(k, v)
         for k, v in self.outputs.items():
             self.binding.bind_ortvalue_output(k, v)
+        offset = 0
+        for spec in self.specs:
+            shape = [1, *spec.shape]
+            self.binding.bind_input(CACHE_PREFIX + spec.name, "cuda", device_id, np.float32, shape,
+                                    self.caches_in.data_ptr() + 4 * offset)
+            self.binding.bind_output(NEXT_PREFIX + spec.name, "cuda", device_id, np.float32, shape,
+                                     self.caches_out.data_ptr() + 4 * offset)
+            offset += int(np.prod(spec.shape))
         self.options = ort.RunOptions()
         self.options.add_run_config_entry("gpu_graph_id", str(graph_id))
         self.captured = False
@@ -150,15 +179,19 @@ class _GraphStep:
     def run(self, feed: dict[str, np.ndarray], caches: dict[str, np.ndarray]) -> tuple[list[np.ndarray], Any]:
         for k, v in feed.items():
             self.inputs[k].update_inplace(np.ascontiguousarray(v))
-        for k, v in caches.items():
-            self.inputs[CACHE_PREFIX + k].update_inplace(np.ascontiguousarray(v))
+        packed = caches if isinstance(caches, PackedCaches) else PackedCaches(self.specs)
+        if packed is not caches:
+            for k, v in caches.items():
+                packed[k][...] = v
+        self.caches_in.update_inplace(packed.buffer)
         self.session.run_with_iobinding(self.binding, self.options)
-        nxt = {k[len(NEXT_PREFIX):]: v.numpy() for k, v in self.outputs.items() if k.startswith(NEXT_PREFIX)}
+        nxt = PackedCaches(self.specs, self.caches_out.numpy())
         return [self.outputs["audio"].numpy(), self.outputs["phase_out"].numpy()], nxt
 
 
 class OrtBackend:
-    """The product backend: ``f0_step`` on the CPU EP, ``generator_step`` on the CUDA EP (or the CPU EP)."""
+    """The product backend: ``generator_step`` on the CUDA EP (or the CPU EP), ``f0_step`` beside it (or on the CPU
+    EP with ``CudaOptions(f0_on_cuda=False)``)."""
 
     def __init__(self, manifest: Manifest, constants: StreamConstants, device: Device = "auto",
                  cuda: CudaOptions | None = None, intra_op_threads: int = 0) -> None:
@@ -176,7 +209,6 @@ class OrtBackend:
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if intra_op_threads:
             opts.intra_op_num_threads = intra_op_threads
-        self._f0 = _StepSession(self._session(F0_STEP, opts, [CPU], constants.f0_caches), constants.f0_caches)
         providers: list[Any] = [CPU]
         reason = "device='cpu' requested"
         if device in ("auto", "cuda"):
@@ -215,6 +247,9 @@ class OrtBackend:
         self._gen = {False: _StepSession(step, gen, self._plain),
                      True: _StepSession(self._session(GENERATOR_STEP_FINAL, opts, providers, gen), gen)}
         active = self._gen[False].session.get_providers()[0]
+        f0_providers = providers if active == CUDA and self._cuda.f0_on_cuda else [CPU]
+        self._f0 = _StepSession(self._session(F0_STEP, opts, f0_providers, constants.f0_caches), constants.f0_caches)
+        self.f0_provider = self._f0.session.get_providers()[0]
         if providers[0] != CPU and active != CUDA:
             reason = "CUDA EP could not start (no GPU or driver/CUDA libraries missing)"
             if device == "cuda":
@@ -222,7 +257,8 @@ class OrtBackend:
         self.generator_provider = active
         self.step_sizes = (cuda or CudaOptions()).step_sizes if active == CUDA else None
         self.name = f"ort[{'cuda' if active == CUDA else 'cpu'}]"
-        log.info("hift_runtime: generator on %s%s; F0 on %s", active, f" ({reason})" if reason else "", CPU)
+        log.info("hift_runtime: generator on %s%s; F0 on %s", active, f" ({reason})" if reason else "",
+                 self.f0_provider)
 
     def _session(self, role: str, opts: ort.SessionOptions, providers: list[Any],
                  caches: tuple[CacheSpec, ...]) -> ort.InferenceSession:
@@ -236,6 +272,8 @@ class OrtBackend:
         return session
 
     def new_caches(self, kind: str, batch: int = 1) -> dict[str, np.ndarray]:
+        if kind == "generator" and self._graphs_enabled and batch == 1:
+            return PackedCaches(self.constants.generator_caches)
         specs = self.constants.generator_caches if kind == "generator" else self.constants.f0_caches
         return {spec.name: spec.zeros(batch) for spec in specs}
 

@@ -204,21 +204,29 @@ def test_full_graphs_on_fixture_reproduce_upstream(full_artifacts, reference):
 
 
 # ---- the folder swap ----------------------------------------------------------------------------------------------
-def test_export_replaces_the_whole_folder(small_artifacts, tmp_path, reduced_config):
-    """A new export leaves no file of the earlier one (e.g. .ts after --formats onnx), keeps files no export wrote,
-    and removes the staging folder of an export that was killed."""
+def test_export_replaces_the_whole_folder(small_artifacts, tmp_path):
+    """The swap leaves no file of the earlier export (e.g. .ts after an ONNX-only export), keeps files no export
+    wrote, and an export's start removes the staging folders of an export that was killed."""
     import shutil
 
-    from hift_export.export import export_artifacts
+    from hift_export.export import _remove_stale_siblings, _swap_into_place
 
     out = tmp_path / "artifacts"
     shutil.copytree(small_artifacts.out, out)
     (out / "README.md").write_text("mine")
+    staging = tmp_path / ".artifacts.staging-new"
+    staging.mkdir()
+    onnx_only = [ARTIFACT_FILES[r] for r in (*ONNX_ROLES, GENERATOR_WEIGHTS)] + [MANIFEST_NAME]
+    for name in onnx_only:
+        shutil.copy(small_artifacts.out / name, staging / name)
+    _swap_into_place(staging, out)
+    assert sorted(p.name for p in out.iterdir()) == sorted(onnx_only + ["README.md"])
+    assert (out / "README.md").read_text() == "mine"
+    assert [p.name for p in tmp_path.iterdir()] == ["artifacts"]  # no staging or old folder left
     (tmp_path / ".artifacts.staging-killed").mkdir()
-    export_artifacts(None, out, formats=["onnx"], config=reduced_config, log=lambda m: None)
-    names = sorted(p.name for p in out.iterdir())
-    assert names == sorted([ARTIFACT_FILES[r] for r in (*ONNX_ROLES, GENERATOR_WEIGHTS)] + [MANIFEST_NAME, "README.md"])
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    (tmp_path / ".artifacts.old-killed").mkdir()
+    _remove_stale_siblings(out)
+    assert [p.name for p in tmp_path.iterdir()] == ["artifacts"]
 
 
 def test_failed_export_leaves_the_earlier_export(small_artifacts, tmp_path, reduced_config):

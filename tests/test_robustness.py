@@ -164,7 +164,7 @@ def _other_config(data):
     (_renamed_input, "hift_generator_step.onnx: graph signature"),
     (_float64_f0, "hift_f0_step.onnx: the F0 graph must take and return float32"),
     (_other_config, "differs from manifest.json"),  # graphs from another export
-    (_cache_shape, "cache.ups.0 is .* the manifest's cache layout says"),
+    (_cache_shape, "step contract \\(cache layout\\) in the graph's metadata differs"),
     (_cache_init, "initial value 'ones'"),
 ], ids=["newer_format_version", "signature_mismatch", "f0_not_float32", "mixed_exports", "cache_shape",
         "cache_init"])
