@@ -313,7 +313,7 @@ def gpu_arms(args, result: dict[str, Any]) -> None:
         except Exception as exc:  # noqa: BLE001 - recorded in the results
             errors[name] = f"{type(exc).__name__}: {exc}"[:500]
     result["gpu_open_errors"] = errors
-    from hift_export.parity import max_abs, snr_db
+    from hift_runtime.metrics import max_abs, snr_db
 
     try:
         _, _, b = timed_stream(cpu, mel, 24)

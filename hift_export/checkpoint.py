@@ -37,6 +37,17 @@ def _preview(keys: Any, limit: int = 6) -> str:
     return ", ".join(keys[:limit]) + more
 
 
+def _check_container(name: str) -> None:
+    """A PyTorch checkpoint is a zip archive (torch.save) or, from old versions, a pickle (protocol >= 2 starts
+    with 0x80); anything else (a text file, an ONNX model) is refused before torch.load sees it."""
+    with open(name, "rb") as fh:
+        head = fh.read(4)
+    if head == b"PK\x03\x04" or head[:1] == b"\x80":  # a zip's first local header, or a pickle's PROTO opcode
+        return
+    raise CheckpointError(f"{name!r} is not a PyTorch checkpoint (neither a torch.save zip archive nor a pickle); "
+                          f"pass the vocoder's hift.pt")
+
+
 def read_checkpoint(source: str | os.PathLike[str] | Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """Load a state dict with ``torch.load(weights_only=True)`` (never executes pickled code) and check its type."""
     if isinstance(source, Mapping):
@@ -48,16 +59,19 @@ def read_checkpoint(source: str | os.PathLike[str] | Mapping[str, Any]) -> dict[
         name = os.fspath(source)
         if not os.path.isfile(name):
             raise CheckpointError(f"checkpoint {name!r} does not exist or is not a file")
+        _check_container(name)
         try:
             obj = torch.load(name, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as exc:
+            # torch's message advises turning the safe loader off; we never pass that on. Name the culprit only.
+            culprit = next((line.strip() for line in str(exc).splitlines() if "Unsupported global" in line), "")
             raise CheckpointError(
-                f"checkpoint {name!r} was refused by torch.load(weights_only=True): it needs code execution or is "
-                f"not a plain tensor state dict ({str(exc).splitlines()[0]}). Save it with "
-                f"torch.save(model.state_dict()).") from exc
+                f"checkpoint {name!r} holds pickled objects other than tensors{f' ({culprit})' if culprit else ''}, "
+                f"which the safe loader refuses; re-save the weights alone with torch.save(model.state_dict())"
+            ) from exc
         except Exception as exc:  # noqa: BLE001 - torch.load raises many types on damaged files (IndexError too)
             raise CheckpointError(
-                f"checkpoint {name!r} is not a readable PyTorch file (truncated or another format?): "
+                f"checkpoint {name!r} is not a readable PyTorch file (truncated or damaged?): "
                 f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from exc
     if not isinstance(obj, Mapping):
         raise CheckpointError(f"{name} holds a {type(obj).__name__}, not a state dict of tensors (upstream hift.pt)")

@@ -47,8 +47,6 @@ class HiFTConfig:
     f0_kernel: int = 3
     # Upstream draws its fixed noise table with 300 s of rows; indices wrap at this length.
     noise_table_seconds: int = 300
-    # Streaming: history frames kept before the first new output frame (see docs in hift_runtime.streaming).
-    window_frames: int = 64
 
     # ---- derived constants -------------------------------------------------------------------------------------
     @property
@@ -77,16 +75,13 @@ class HiFTConfig:
 
     @property
     def held_back_frames(self) -> int:
-        """Frames a non-final call withholds: F0 look-ahead + conv_pre look-ahead + 1 iSTFT frame (8)."""
+        """Frames upstream's non-final call withholds: F0 look-ahead + conv_pre look-ahead + 1 iSTFT frame (8). (The
+        step graphs hold back 5: see hift_export/step.py.)"""
         return self.f0_look_ahead + self.conv_pre_look_right + 1
 
     @property
     def noise_table_length(self) -> int:
         return self.noise_table_seconds * self.sampling_rate
-
-    @property
-    def frames_per_second(self) -> float:
-        return self.sampling_rate / self.samples_per_frame
 
     @property
     def source_down_rates(self) -> tuple[int, ...]:

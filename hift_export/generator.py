@@ -59,10 +59,6 @@ class CausalHiFTGenerator(nn.Module):
         self.stft_trim = math.prod(c.upsample_rates) * c.conv_pre_look_right
         self.audio_trim = c.samples_per_frame
 
-    def set_spectral_mode(self, mode: SpectralMode) -> None:
-        """Switch between ``torch.stft``/``istft`` (upstream) and the convolution form (exportable)."""
-        self.spectral = SpectralOps(self.config.n_fft, self.config.hop_len, mode).to(self.conv_post.bias.device)
-
     def decode(self, mel: torch.Tensor, f0: torch.Tensor, noise: torch.Tensor, phase_in: torch.Tensor,
                finalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """``mel [B,80,N]``, ``f0 [B,N]``, ``noise [B,480N,9]``, ``phase_in [B,9]`` (float64, turns) ->

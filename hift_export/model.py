@@ -2,8 +2,8 @@
 
 ``load_hift`` is the only way the toolchain obtains a model: a fresh generator and a fresh F0 predictor every time,
 strict load of both halves before anything is folded, then the generator folded on its device and the F0 predictor
-folded on the CPU in its own precision (float32 by default, what the F0 ONNX graph computes; float64 is what
-upstream computes).
+folded on the CPU in its own precision: ``f0_dtype`` (float32 unless asked; float64 is what upstream computes and
+what the exported F0 graph computes by default, ``hift-export --f0-precision fp64``).
 """
 
 from __future__ import annotations

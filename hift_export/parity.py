@@ -2,8 +2,8 @@
 
 Two comparisons per chunk:
 
-* **stage by stage**: every backend call the ORT stream makes is replayed on eager PyTorch with identical inputs
-  (same mel window, same F0, same noise, same carried phase): F0 relative to max |F0|, generator audio max abs;
+* **step by step**: every step the ORT stream runs is replayed on the eager step with identical inputs and caches
+  (same mel, F0, noise, carried phase): F0 relative to max |F0|, audio max abs, next caches (scale-relative);
 * **end to end**: an independent eager stream (its own F0, its own carried phase): max abs and SNR per chunk.
 """
 
@@ -18,6 +18,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from hift_runtime.manifest import Manifest, sha256_file
+from hift_runtime.metrics import max_abs, snr_db
 from hift_runtime.streaming import StreamingVocoder, VocoderBackend
 
 from .backend import TorchBackend, torch_vocoder
@@ -30,22 +31,6 @@ from .model import load_hift
 STAGE_F0_RELATIVE = 1e-5
 STAGE_AUDIO = 1e-5
 END_TO_END_SNR_DB = 60.0
-
-
-def snr_db(estimate: np.ndarray, reference: np.ndarray) -> float:
-    ref = reference.astype(np.float64)
-    err = estimate.astype(np.float64) - ref
-    signal = float(np.sum(ref ** 2))
-    if signal == 0.0:
-        return float("inf") if not np.any(err) else float("-inf")
-    return float(10 * np.log10(signal / max(float(np.sum(err ** 2)), 1e-300)))
-
-
-def max_abs(a: np.ndarray, b: np.ndarray) -> float:
-    """Largest absolute difference of two arrays of the same shape (a shape mismatch is an error, never broadcast)."""
-    if a.shape != b.shape:
-        raise ValueError(f"max_abs of arrays of different shapes {a.shape} and {b.shape}")
-    return float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))) if a.size else 0.0
 
 
 def _numpy(caches: Any) -> dict[str, np.ndarray]:
@@ -124,7 +109,7 @@ def reference_backend(manifest: Manifest, checkpoint: str | os.PathLike[str] | N
     """Eager model of the weights the manifest was exported from (checked by sha256), F0 in the graph's precision."""
     weights = manifest.data["weights"]
     config = HiFTConfig.from_dict(manifest.config)
-    f0_dtype = F0_PRECISIONS[manifest.data.get("f0_precision", "fp32")]
+    f0_dtype = F0_PRECISIONS[manifest.data["f0_precision"]]
     if weights["source"] == "seeded-random" and checkpoint is None:
         hift = load_hift(None, config=config, seed=int(weights["seed"]), f0_dtype=f0_dtype, device=device,
                          spectral="conv")

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from hift_runtime.manifest import F0_STEP, GENERATOR_STEP, GENERATOR_STEP_FINAL, GENERATOR_WEIGHTS
+from hift_runtime.metrics import max_abs
 
 from .config import HiFTConfig
 from .graphs import F0StepGraph, GeneratorStepGraph
@@ -71,9 +72,10 @@ def _flat(args: tuple[Any, ...]) -> list[np.ndarray]:
 
 
 def _max_abs(a: np.ndarray, b: np.ndarray, what: str) -> float:
-    if a.shape != b.shape:
-        raise ExportError(f"self-check: {what} has shape {a.shape}, the eager step gives {b.shape}")
-    return float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))) if a.size else 0.0
+    try:
+        return max_abs(a, b)
+    except ValueError:
+        raise ExportError(f"self-check: {what} has shape {a.shape}, the eager step gives {b.shape}") from None
 
 
 def check_against_eager(hift: HiFT, f0_dtype: str, run_generator: Callable[[bool, list[np.ndarray]], Sequence[Any]],

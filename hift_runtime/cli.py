@@ -59,10 +59,24 @@ def _stream(vocoder: StreamingVocoder, mel: np.ndarray, sizes: Sequence[int], qu
         yield stream.finish()
 
 
+def _wav_mel(path: str) -> np.ndarray:
+    from .audio_io import read_audio
+    from .mel import COSYVOICE3_MEL, mel_spectrogram, resample
+
+    audio, rate = read_audio(path)
+    try:
+        return mel_spectrogram(resample(audio, rate, COSYVOICE3_MEL.sample_rate))
+    except ValueError as exc:  # too short for one frame
+        raise UsageError(f"--wav {path}: {exc}") from exc
+
+
 def _parser() -> argparse.ArgumentParser:
     p = OneLineArgumentParser(prog="hift-vocode", description="Vocode a mel with the exported CosyVoice3 HiFT.")
     p.add_argument("--artifacts", required=True, help="folder written by hift-export")
-    p.add_argument("--mel", required=True, help="input mel, .npy or .npz ([80, T] or [1, 80, T] natural-log mel)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--mel", help="input mel, .npy or .npz ([80, T] or [1, 80, T] natural-log mel)")
+    source.add_argument("--wav", help="input speech (any format libsndfile reads, any rate: resampled to 24 kHz); "
+                                      "its CosyVoice3 mel is vocoded (copy synthesis)")
     p.add_argument("--out", required=True, help="output audio by extension: .wav (24-bit PCM unless --subtype), "
                                                 ".flac, .ogg, or .npy (float32 samples)")
     p.add_argument("--subtype", choices=SUBTYPES, help="sample format of .wav/.flac (default PCM_24)")
@@ -94,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         schedule = parse_schedule(args.chunks)
         vocoder = open_vocoder(args.artifacts, device=args.device, noise_table=args.noise_table,
                                noise_seed=args.noise_seed, phase=args.phase)
-        mel = validate_mel(read_mel(args.mel), vocoder.constants.in_channels)
+        mel = validate_mel(read_mel(args.mel) if args.mel else _wav_mel(args.wav), vocoder.constants.in_channels)
         sizes = chunk_sizes(schedule, mel.shape[1])
         sample_rate = int(vocoder.backend.manifest.config["sampling_rate"])  # type: ignore[attr-defined]
         say(f"hift-vocode: generator on {vocoder.backend.name}; {mel.shape[1]} frames "

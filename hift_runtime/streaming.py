@@ -178,8 +178,8 @@ class StreamingVocoder:
             raise ValueError(f"noise table has {self.noise.columns} columns, the model needs {constants.num_sines}")
         if self.noise.length < constants.noise_table_length:
             warnings.warn(f"noise table {self.noise.source} has {self.noise.length} rows, the model's has "
-                          f"{constants.noise_table_length}: streams longer than {self.noise.length / 24000:.1f} s "
-                          f"reuse its rows earlier than upstream would", RuntimeWarning, stacklevel=2)
+                          f"{constants.noise_table_length}: streams longer than {self.noise.length} samples reuse its rows "
+                          f"earlier than upstream would", RuntimeWarning, stacklevel=2)
 
     def stream(self) -> "VocoderStream":
         return VocoderStream(self)

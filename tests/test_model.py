@@ -188,8 +188,12 @@ def test_conv_spectral_form_matches_torch_stft(reference):
 
 # ---- malformed checkpoints -----------------------------------------------------------------------------------------
 class _Evil:
+    """Unpickling this creates a file: the proof that pickled code ran."""
+
+    marker = ""
+
     def __reduce__(self):
-        return (print, ("code ran",))
+        return (open, (self.marker, "w"))
 
 
 def _assert_nothing_folded(monkeypatch):
@@ -237,16 +241,29 @@ def test_malformed_checkpoints_fail_before_folding(case, match, reduced_config, 
     assert calls == []
 
 
-@pytest.mark.parametrize("content", ["truncated", "garbage", "pickle_code", "missing"])
-def test_bad_checkpoint_files(tmp_path, content, reduced_config):
+@pytest.mark.parametrize("content, match", [
+    ("truncated", "not a readable PyTorch file"),
+    ("garbage", "not a PyTorch checkpoint"),
+    ("text", "not a PyTorch checkpoint"),
+    ("pickle_code", "pickled objects other than tensors"),
+    ("missing", "does not exist"),
+])
+def test_bad_checkpoint_files(tmp_path, content, match, reduced_config):
     path = tmp_path / "hift.pt"
+    marker = tmp_path / "payload-ran"
     if content == "truncated":
         torch.save(random_state_dict(reduced_config), path)
         path.write_bytes(path.read_bytes()[: 5000])
     elif content == "garbage":
         path.write_bytes(b"this is not a checkpoint" * 10)
+    elif content == "text":
+        path.write_text("hello world\n" * 10)
     elif content == "pickle_code":
+        evil = _Evil()
+        evil.marker = str(marker)
         with open(path, "wb") as fh:
-            pickle.dump({"conv_pre.bias": _Evil()}, fh)
-    with pytest.raises(CheckpointError):
+            pickle.dump({"conv_pre.bias": evil}, fh)
+    with pytest.raises(CheckpointError, match=match) as exc:
         load_hift(str(path), config=reduced_config)
+    assert not marker.exists(), "the pickled payload ran"
+    assert "weights_only" not in str(exc.value)  # never advise turning the safe loader off
