@@ -9,7 +9,9 @@ CPU arms (24-frame chunks, full size, 10 s stream; F0 included):
                  (64 history + 5 held back + 24 new): the work each push did before the step graphs
 GPU arms (--gpu; H200; TF32 off unless named):
   parity         ORT CUDA stream vs ORT CPU stream (max abs, SNR)
-  push_*         push latency through the runtime: plain CUDA EP, CUDA graphs, TF32 on; first chunk; chunk 50
+  push_*         push latency through the runtime: plain CUDA EP, CUDA graphs (F0 step on the GPU, or on the CPU),
+                 TF32 on; first chunk; chunk 50 (steps 24 + 24 + 2: what the fixed step sizes cost)
+  breakdown_*    a push split into F0 step, generator step and bookkeeping
   upstream       upstream token2wav semantics: every chunk re-vocodes all mel so far (eager, unfolded)
   step_eager     eager PyTorch step on CUDA through the bookkeeping
   gen_*          the generator step alone: session.run with NumPy, IO binding on device buffers, CUDA graph replay
@@ -304,6 +306,7 @@ def gpu_arms(args, result: dict[str, Any]) -> None:
     cpu = open_vocoder(artifacts, device="cpu")
     gpu, errors = {}, {}
     for name, opts in (("plain", CudaOptions(cuda_graphs=False)), ("cuda_graphs", CudaOptions()),
+                       ("cuda_graphs_f0_cpu", CudaOptions(f0_on_cuda=False)),
                        ("cuda_graphs_tf32", CudaOptions(use_tf32=True))):
         try:
             t0 = time.perf_counter()

@@ -53,12 +53,19 @@ def reduced_config():
 
 @pytest.fixture(scope="session")
 def small_artifacts(tmp_path_factory, reduced_config):
-    """Seeded random weights, reduced width: ONNX + TorchScript + manifest."""
-    from hift_export.export import export_artifacts
+    """Seeded random weights, reduced width: ONNX + TorchScript + manifest, exported through the CLI as a user runs
+    it (``output`` keeps what it printed)."""
+    import json
+    import subprocess
+    import sys
+    from types import SimpleNamespace
 
     out = tmp_path_factory.mktemp("small") / "artifacts"
-    result = export_artifacts(None, out, config=reduced_config, log=quiet)
-    return result
+    run = subprocess.run([sys.executable, "-m", "hift_export.cli", "--reduced", "--out", str(out)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=1800)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return SimpleNamespace(out=out, manifest=json.loads((out / "manifest.json").read_text()),
+                           output=run.stdout + run.stderr)
 
 
 @pytest.fixture(scope="session")
