@@ -4,9 +4,9 @@ from .manifest import ArtifactError, Manifest, read_manifest
 
 __all__ = ["ArtifactError", "Manifest", "read_manifest"]
 from .noise import NoiseTable
-from .streaming import (CacheSpec, MelError, StreamConstants, StreamError, StreamingVocoder, VocoderBackend,
-                        VocoderStream)
+from .streaming import (CacheSpec, MelError, OverloadError, StreamConstants, StreamError, StreamingVocoder,
+                        VocoderBackend, VocoderStream)
 from .sessions import CudaOptions, OrtBackend, open_vocoder
 
-__all__ += ["CacheSpec", "CudaOptions", "MelError", "NoiseTable", "OrtBackend", "StreamConstants", "StreamError",
+__all__ += ["CacheSpec", "CudaOptions", "OverloadError", "MelError", "NoiseTable", "OrtBackend", "StreamConstants", "StreamError",
             "StreamingVocoder", "VocoderBackend", "VocoderStream", "open_vocoder"]

@@ -106,8 +106,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .sessions import open_vocoder
 
         schedule = parse_schedule(args.chunks)
+        # One stream: no batching; warmup() captures the few step shapes it meets (a no-op on the CPU).
         vocoder = open_vocoder(args.artifacts, device=args.device, noise_table=args.noise_table,
-                               noise_seed=args.noise_seed, phase=args.phase)
+                               noise_seed=args.noise_seed, phase=args.phase, batching=False)
+        vocoder.warmup()
         mel = validate_mel(read_mel(args.mel) if args.mel else _wav_mel(args.wav), vocoder.constants.in_channels)
         sizes = chunk_sizes(schedule, mel.shape[1])
         sample_rate = int(vocoder.backend.manifest.config["sampling_rate"])  # type: ignore[attr-defined]

@@ -3,6 +3,7 @@ usable (else the CPU EP, said in one log line). Every constant and every cache c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -48,10 +49,16 @@ class CudaOptions:
     # The F0 step (float64 inside) on the GPU: bit-identical to the CPU EP's F0 and 2.3x faster per 24-frame step
     # on an H200 (0.79 vs 1.80 ms, benchmarks/results/gpu-h200-step.json); False keeps it on the CPU.
     f0_on_cuda: bool = True
+    # Batch sizes captured for cross-stream batching (a batch of B streams runs on the smallest size >= B, padded).
+    # (1,) without batching; open_vocoder(..., batching=True) on the GPU uses BATCH_SIZES.
+    batch_sizes: tuple[int, ...] = (1,)
 
     def provider_options(self) -> dict[str, str]:
         return {"device_id": str(self.device_id), "use_tf32": "1" if self.use_tf32 else "0",
                 "cudnn_conv_algo_search": self.cudnn_conv_algo_search}
+
+
+BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 def _nvidia_driver_present() -> bool:
@@ -137,26 +144,29 @@ class PackedCaches(dict):
 
 
 class _GraphStep:
-    """The generator step of one fixed size as a CUDA graph: every input and output lives in a persistent device
-    buffer (a captured graph replays over exactly these addresses); the caches are bound at offsets of one packed
-    buffer each way. A call copies its inputs in and its outputs out; the caller serialises calls."""
+    """The generator step of one fixed size and batch as a CUDA graph: every input and output lives in a persistent
+    device buffer (a captured graph replays over exactly these addresses); the caches are bound at offsets of one
+    packed buffer each way (per cache a block of ``batch`` rows). A call copies its inputs in and its outputs out;
+    the caller serialises calls."""
 
-    def __init__(self, session: ort.InferenceSession, graph_id: int, size: int, constants: StreamConstants,
-                 device_id: int) -> None:
+    def __init__(self, session: ort.InferenceSession, graph_id: int, size: int, batch: int,
+                 constants: StreamConstants, device_id: int) -> None:
         c = constants
-        self.session, self.size, self.specs = session, size, c.generator_caches
+        self.session, self.size, self.batch, self.specs = session, size, batch, c.generator_caches
         src = size + c.source_look_ahead
         shapes: dict[str, tuple[tuple[int, ...], Any]] = {
-            "mel": ((1, c.in_channels, size + c.mel_look_ahead), np.float32), "f0": ((1, src), np.float32),
-            "noise": ((1, src * c.samples_per_frame, c.num_sines), np.float32),
-            "phase_in": ((1, c.num_sines), np.float64), "first": ((1, 1), np.bool_)}
+            "mel": ((batch, c.in_channels, size + c.mel_look_ahead), np.float32), "f0": ((batch, src), np.float32),
+            "noise": ((batch, src * c.samples_per_frame, c.num_sines), np.float32),
+            "phase_in": ((batch, c.num_sines), np.float64), "first": ((batch, 1), np.bool_)}
         out_shapes: dict[str, tuple[tuple[int, ...], Any]] = {
-            "audio": ((1, size * c.samples_per_frame), np.float32), "phase_out": ((1, c.num_sines), np.float64)}
+            "audio": ((batch, size * c.samples_per_frame), np.float32),
+            "phase_out": ((batch, c.num_sines), np.float64)}
         self.inputs = {k: ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, dtype), "cuda", device_id)
                        for k, (shape, dtype) in shapes.items()}
         self.outputs = {k: ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, "cuda", device_id)
                         for k, (shape, dtype) in out_shapes.items()}
-        total = sum(int(np.prod(spec.shape)) for spec in self.specs)
+        self.sizes = [int(np.prod(spec.shape)) for spec in self.specs]
+        total = batch * sum(self.sizes)
         self.caches_in = ort.OrtValue.ortvalue_from_numpy(np.zeros(total, np.float32), "cuda", device_id)
         self.caches_out = ort.OrtValue.ortvalue_from_shape_and_type([total], np.float32, "cuda", device_id)
         self.binding = session.io_binding()
@@ -165,28 +175,46 @@ class _GraphStep:
         for k, v in self.outputs.items():
             self.binding.bind_ortvalue_output(k, v)
         offset = 0
-        for spec in self.specs:
-            shape = [1, *spec.shape]
+        for spec, size_ in zip(self.specs, self.sizes):
+            shape = [batch, *spec.shape]
             self.binding.bind_input(CACHE_PREFIX + spec.name, "cuda", device_id, np.float32, shape,
                                     self.caches_in.data_ptr() + 4 * offset)
             self.binding.bind_output(NEXT_PREFIX + spec.name, "cuda", device_id, np.float32, shape,
                                      self.caches_out.data_ptr() + 4 * offset)
-            offset += int(np.prod(spec.shape))
+            offset += batch * size_
         self.options = ort.RunOptions()
         self.options.add_run_config_entry("gpu_graph_id", str(graph_id))
         self.captured = False
 
     def run(self, feed: dict[str, np.ndarray], caches: dict[str, np.ndarray]) -> tuple[list[np.ndarray], Any]:
+        rows = feed["mel"].shape[0]
         for k, v in feed.items():
-            self.inputs[k].update_inplace(np.ascontiguousarray(v))
-        packed = caches if isinstance(caches, PackedCaches) else PackedCaches(self.specs)
-        if packed is not caches:
-            for k, v in caches.items():
-                packed[k][...] = v
-        self.caches_in.update_inplace(packed.buffer)
+            self.inputs[k].update_inplace(_pad_rows(v, self.batch))
+        if isinstance(caches, PackedCaches) and self.batch == 1:
+            packed = caches.buffer
+        else:
+            packed = np.concatenate([_pad_rows(np.asarray(caches[spec.name], np.float32), self.batch).reshape(-1)
+                                     for spec in self.specs])
+        self.caches_in.update_inplace(packed)
         self.session.run_with_iobinding(self.binding, self.options)
-        nxt = PackedCaches(self.specs, self.caches_out.numpy())
-        return [self.outputs["audio"].numpy(), self.outputs["phase_out"].numpy()], nxt
+        out = self.caches_out.numpy()
+        if self.batch == 1:
+            nxt: dict[str, np.ndarray] = PackedCaches(self.specs, out)
+        else:
+            nxt, offset = {}, 0
+            for spec, size_ in zip(self.specs, self.sizes):
+                nxt[spec.name] = out[offset:offset + self.batch * size_].reshape(self.batch, *spec.shape)[:rows]
+                offset += self.batch * size_
+        return [self.outputs["audio"].numpy()[:rows], self.outputs["phase_out"].numpy()[:rows]], nxt
+
+
+def _pad_rows(value: np.ndarray, batch: int) -> np.ndarray:
+    """``value`` with zero rows appended up to ``batch`` rows (a captured graph has a fixed batch)."""
+    value = np.ascontiguousarray(value)
+    if value.shape[0] == batch:
+        return value
+    pad = np.zeros((batch - value.shape[0], *value.shape[1:]), value.dtype)
+    return np.concatenate([value, pad])
 
 
 class OrtBackend:
@@ -289,8 +317,13 @@ class OrtBackend:
             (audio, phase_out), nxt = self._gen[final].run(feed, caches)
             return audio, phase_out, nxt
         with self._lock:
-            graph = None if final or mel.shape[0] != 1 else self._graphs.get(f0.shape[1] - self.constants.source_look_ahead)
-            runner = graph if graph is not None and graph.captured else self._gen[final]
+            runner = self._gen[final]
+            if not final:
+                size = f0.shape[1] - self.constants.source_look_ahead
+                batch = next((b for b in self._cuda.batch_sizes if b >= mel.shape[0]), None)
+                graph = self._graphs.get((size, batch))
+                if graph is not None and graph.captured:
+                    runner = graph
             (audio, phase_out), nxt = runner.run(feed, caches)
         return audio, phase_out, nxt
 
@@ -301,30 +334,39 @@ class OrtBackend:
             return
         c = self.constants
         with self._lock:
-            for size in step_sizes:
-                src = size + c.source_look_ahead
-                feed = {"mel": np.zeros((1, c.in_channels, size + c.mel_look_ahead), np.float32),
-                        "f0": np.zeros((1, src), np.float32),
-                        "noise": np.zeros((1, src * c.samples_per_frame, c.num_sines), np.float32),
-                        "phase_in": np.zeros((1, c.num_sines)), "first": np.array([[True]])}
-                caches = self.new_caches("generator")
-                self._gen[False].run(dict(feed), caches)
-                if self._graphs_enabled and size not in self._graphs:
-                    graph = _GraphStep(self._gen[False].session, len(self._graphs) + 1, size, c, self._cuda.device_id)
-                    for _ in range(3):  # ORT runs a graph id normally before it captures it
-                        graph.run(dict(feed), caches)
-                    graph.captured = True
-                    self._graphs[size] = graph
+            for batch in self._cuda.batch_sizes:
+                for size in step_sizes:
+                    src = size + c.source_look_ahead
+                    feed = {"mel": np.zeros((batch, c.in_channels, size + c.mel_look_ahead), np.float32),
+                            "f0": np.zeros((batch, src), np.float32),
+                            "noise": np.zeros((batch, src * c.samples_per_frame, c.num_sines), np.float32),
+                            "phase_in": np.zeros((batch, c.num_sines)), "first": np.ones((batch, 1), bool)}
+                    caches = self.new_caches("generator", batch)
+                    if not self._graphs_enabled:
+                        self._gen[False].run(dict(feed), caches)  # builds this shape's cuDNN state
+                    elif (size, batch) not in self._graphs:
+                        graph = _GraphStep(self._gen[False].session, len(self._graphs) + 1, size, batch, c,
+                                           self._cuda.device_id)
+                        for _ in range(3):  # ORT runs a graph id normally before it captures it
+                            graph.run(dict(feed), caches)
+                        graph.captured = True
+                        self._graphs[(size, batch)] = graph
 
 
 def open_vocoder(artifacts: str | os.PathLike[str], *, device: Device = "auto",
                  noise_table: str | os.PathLike[str] | None = None, noise_seed: int = 0,
                  cuda: CudaOptions | None = None, verify_hashes: bool = True, intra_op_threads: int = 0,
-                 phase: str = "upstream", step_sizes: tuple[int, ...] | None = None) -> StreamingVocoder:
+                 phase: str = "upstream", step_sizes: tuple[int, ...] | None = None, batching: bool | None = None,
+                 max_batch: int = 256, max_wait_ms: float = 3.0, max_streams: int | None = None,
+                 idle_timeout_s: float | None = None) -> StreamingVocoder:
     """Open an export folder: verify the files the runtime loads, create the sessions once, return a
     :class:`StreamingVocoder`. Streams created from it share the sessions; each has its own small state.
 
     ``step_sizes``: fixed generator step sizes (default: ``cuda.step_sizes`` on the CUDA EP, any size on the CPU).
+    ``batching``: gather concurrent streams' steps into batched calls (:mod:`hift_runtime.batching`; default: on
+    with the CUDA EP, off on the CPU), at most ``max_batch`` streams a call, waiting at most ``max_wait_ms`` for
+    partners (a lone stream never waits). ``max_streams``: open streams at most (:class:`OverloadError` beyond);
+    ``idle_timeout_s``: a stream untouched that long is expired and its slot freed.
     """
     if device not in DEVICES:
         raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
@@ -334,8 +376,20 @@ def open_vocoder(artifacts: str | os.PathLike[str], *, device: Device = "auto",
         constants = StreamConstants.from_manifest(manifest.config, manifest.step)
     except (KeyError, TypeError, ValueError) as exc:
         raise ArtifactError(f"{manifest.root}/manifest.json: unreadable step contract ({exc}); re-export") from exc
-    backend = OrtBackend(manifest, constants, device=device, cuda=cuda, intra_op_threads=intra_op_threads)
+    cuda = cuda or CudaOptions()
+    if batching is not False and cuda.batch_sizes == (1,):
+        cuda = dataclasses.replace(cuda, batch_sizes=tuple(b for b in BATCH_SIZES if b <= max_batch))
+    backend: Any = OrtBackend(manifest, constants, device=device, cuda=cuda, intra_op_threads=intra_op_threads)
+    if batching is None:
+        batching = backend.generator_provider == CUDA
     noise = (NoiseTable.from_npy(noise_table, constants.num_sines) if noise_table is not None
              else NoiseTable.seeded(noise_seed, constants.noise_table_length, constants.num_sines))
-    return StreamingVocoder(backend, constants, noise, phase=phase,
-                            step_sizes=step_sizes if step_sizes is not None else backend.step_sizes)
+    vocoder = StreamingVocoder(backend, constants, noise, phase=phase,
+                               step_sizes=step_sizes if step_sizes is not None else backend.step_sizes,
+                               max_streams=max_streams, idle_timeout_s=idle_timeout_s)
+    if batching:
+        from .batching import BatchingBackend
+
+        vocoder.backend = BatchingBackend(backend, max_batch=max_batch, max_wait_s=max_wait_ms / 1e3,
+                                          active=lambda: vocoder.active_pushes)
+    return vocoder

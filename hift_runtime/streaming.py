@@ -28,8 +28,12 @@ calls on one :class:`VocoderStream` are serialised by its lock.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
 import warnings
+import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -44,6 +48,10 @@ PHASE_MODES = ("upstream", "wrapped")
 
 class StreamError(RuntimeError):
     """A call that the stream's state does not allow (push after finish, finish twice)."""
+
+
+class OverloadError(RuntimeError):
+    """No stream can be opened now: ``max_streams`` are open. Finish or drop one, or retry later."""
 
 
 class MelError(ValueError):
@@ -161,15 +169,26 @@ class StreamingVocoder:
     offline passes."""
 
     def __init__(self, backend: VocoderBackend, constants: StreamConstants, noise: NoiseTable | None = None,
-                 noise_seed: int = 0, phase: str = "upstream", step_sizes: tuple[int, ...] | None = None) -> None:
+                 noise_seed: int = 0, phase: str = "upstream", step_sizes: tuple[int, ...] | None = None,
+                 max_streams: int | None = None, idle_timeout_s: float | None = None) -> None:
         if phase not in PHASE_MODES:
             raise ValueError(f"phase must be one of {PHASE_MODES}, got {phase!r}")
         if step_sizes is not None:
             step_sizes = tuple(sorted({int(s) for s in step_sizes}, reverse=True))
             if not step_sizes or 1 not in step_sizes or step_sizes[-1] < 1:
                 raise ValueError(f"step_sizes must be positive and include 1 (so any push splits), got {step_sizes}")
+        if max_streams is not None and max_streams < 1:
+            raise ValueError(f"max_streams must be >= 1 (or None: no limit), got {max_streams}")
+        if idle_timeout_s is not None and idle_timeout_s <= 0:
+            raise ValueError(f"idle_timeout_s must be > 0 (or None: never), got {idle_timeout_s}")
         self.phase_mode = phase
         self.step_sizes = step_sizes
+        self.max_streams, self.idle_timeout_s = max_streams, idle_timeout_s
+        # Open streams (weak: a stream its caller dropped frees its slot) and how many are inside a push right now
+        # (a batching backend waits for partners only while some may still come).
+        self._streams: weakref.WeakSet[VocoderStream] = weakref.WeakSet()
+        self._registry = threading.Lock()
+        self._active = 0
         self.backend = backend
         self.constants = constants
         self.noise = noise if noise is not None else NoiseTable.seeded(noise_seed, constants.noise_table_length,
@@ -182,7 +201,54 @@ class StreamingVocoder:
                           f"earlier than upstream would", RuntimeWarning, stacklevel=2)
 
     def stream(self) -> "VocoderStream":
-        return VocoderStream(self)
+        """A new stream. With ``max_streams``, raises :class:`OverloadError` when that many are open (after
+        expiring the ones idle longer than ``idle_timeout_s``)."""
+        with self._registry:
+            self._reap_locked()
+            if self.max_streams is not None and len(self._streams) >= self.max_streams:
+                raise OverloadError(f"{len(self._streams)} streams are open, the limit (max_streams="
+                                    f"{self.max_streams}); finish or drop a stream, or retry later")
+            stream = VocoderStream(self)
+            self._streams.add(stream)
+            return stream
+
+    @property
+    def open_streams(self) -> int:
+        return len(self._streams)
+
+    @property
+    def active_pushes(self) -> int:
+        return self._active
+
+    def reap(self) -> int:
+        """Expire the streams idle longer than ``idle_timeout_s`` (their state is dropped, their slot freed);
+        return how many."""
+        with self._registry:
+            return self._reap_locked()
+
+    def _reap_locked(self) -> int:
+        if self.idle_timeout_s is None:
+            return 0
+        now, expired = time.monotonic(), 0
+        for stream in list(self._streams):
+            if now - stream.last_used > self.idle_timeout_s and stream._expire():
+                self._streams.discard(stream)
+                expired += 1
+        return expired
+
+    def _closed(self, stream: "VocoderStream") -> None:
+        with self._registry:
+            self._streams.discard(stream)
+
+    @contextlib.contextmanager
+    def _pushing(self) -> Iterator[None]:
+        with self._registry:
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._registry:
+                self._active -= 1
 
     def warmup(self) -> None:
         """Prepare every step shape a stream can meet (CUDA graphs, cuDNN state) before the first request. A no-op on
@@ -245,7 +311,9 @@ class VocoderStream:
         self._f0_caches = vocoder.backend.new_caches("f0")
         self._gen_caches = vocoder.backend.new_caches("generator")
         self._finished = False
+        self._expired = False
         self._warned_range = False
+        self.last_used = time.monotonic()
         self.stats = StreamStats()
 
     # ---- read-only views ---------------------------------------------------------------------------------------
@@ -264,19 +332,55 @@ class VocoderStream:
     # ---- the two calls ----------------------------------------------------------------------------------------
     def push(self, mel: Any) -> np.ndarray:
         with self._lock:
-            if self._finished:
-                raise StreamError("push() after finish(): the stream is closed; open a new stream")
+            self._check_open("push()")
+            self.last_used = time.monotonic()
             chunk = validate_mel(mel, self._c.in_channels)
             self._warn_range(chunk)
             if chunk.shape[1] == 0:
                 return np.zeros(0, np.float32)
-            return self._advance(chunk, final=False)
+            with self._v._pushing():
+                return self._advance(chunk, final=False)
 
     def finish(self) -> np.ndarray:
         with self._lock:
             if self._finished:
                 raise StreamError("finish() called twice: the stream is already closed")
-            return self._advance(np.zeros((self._c.in_channels, 0), np.float32), final=True)
+            self._check_open("finish()")
+            with self._v._pushing():
+                out = self._advance(np.zeros((self._c.in_channels, 0), np.float32), final=True)
+            self._v._closed(self)
+            return out
+
+    async def apush(self, mel: Any) -> np.ndarray:
+        """``push`` from asyncio: runs in a worker thread, so concurrent streams' steps can batch."""
+        import asyncio
+
+        return await asyncio.to_thread(self.push, mel)
+
+    async def afinish(self) -> np.ndarray:
+        import asyncio
+
+        return await asyncio.to_thread(self.finish)
+
+    def _check_open(self, call: str) -> None:
+        if self._expired:
+            raise StreamError(f"{call} on a stream that expired after {self._v.idle_timeout_s} s idle; its state was "
+                              f"released: open a new stream")
+        if self._finished:
+            raise StreamError(f"{call} after finish(): the stream is closed; open a new stream")
+
+    def _expire(self) -> bool:
+        """Drop the state of an idle stream; False when a call holds it (it is not idle then)."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            if self._finished:
+                return True
+            self._expired = True
+            self._mel = self._f0 = self._gen_caches = self._f0_caches = None
+            return True
+        finally:
+            self._lock.release()
 
     # ---- internals ----------------------------------------------------------------------------------------------
     def _warn_range(self, chunk: np.ndarray) -> None:

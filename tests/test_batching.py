@@ -1,0 +1,148 @@
+"""Cross-stream batching, backpressure and isolation (CPU, reduced model; the GPU load test is a benchmark)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from hift_runtime import MelError, OverloadError, StreamError, open_vocoder
+
+from .conftest import max_abs
+from .test_streaming import random_mel
+
+
+def run_stream(vocoder, mel, schedule, delay=0.0):
+    time.sleep(delay)
+    stream = vocoder.stream()
+    out, pos = [], 0
+    for size in schedule:
+        if pos >= mel.shape[1]:
+            break
+        out.append(stream.push(mel[:, pos:pos + size]))
+        pos += size
+    out.append(stream.finish())
+    return np.concatenate(out)
+
+
+@pytest.fixture(scope="module")
+def alone(small_artifacts):
+    return open_vocoder(small_artifacts.out, device="cpu")
+
+
+@pytest.mark.parametrize("n", [1, 3, 17])
+def test_concurrent_streams_through_the_batcher_equal_each_alone(small_artifacts, alone, n):
+    batched = open_vocoder(small_artifacts.out, device="cpu", batching=True, max_wait_ms=5)
+    rng = np.random.default_rng(n)
+    mels = [random_mel(int(rng.integers(10, 130)), seed=i) for i in range(n)]
+    schedules = [[int(x) for x in rng.integers(0, 30, 10)] + [500] for _ in range(n)]
+    delays = rng.random(n) * 0.05  # random start times, so streams sit at different positions and finish interleaved
+    expected = [run_stream(alone, m, s) for m, s in zip(mels, schedules)]
+    results: dict[int, np.ndarray] = {}
+    errors: list[BaseException] = []
+
+    def worker(i):
+        try:
+            results[i] = run_stream(batched, mels[i], schedules[i], delays[i])
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for i in range(n):
+        # Measured <= 3.3e-7: batched convolutions round like B = 1 up to float32 noise.
+        assert max_abs(results[i], expected[i]) <= 1e-6, i
+    stats = batched.backend.stats
+    assert stats.calls >= n
+    if n == 17:
+        assert stats.max_batch > 1 and stats.batches < stats.calls  # steps of different streams did share calls
+    assert batched.open_streams == 0
+
+
+def test_a_bad_chunk_is_refused_for_its_stream_only(small_artifacts, alone):
+    batched = open_vocoder(small_artifacts.out, device="cpu", batching=True, max_wait_ms=20)
+    mels = [random_mel(90, seed=40 + i) for i in range(4)]
+    expected = [run_stream(alone, m, [30] * 3) for m in mels]
+    results, refused = {}, []
+    barrier = threading.Barrier(4)
+
+    def worker(i):
+        stream = batched.stream()
+        out = []
+        for k in range(3):
+            barrier.wait()
+            if i == 2 and k == 1:
+                try:
+                    stream.push(np.full((80, 30), np.nan, np.float32))
+                except MelError as exc:
+                    refused.append(str(exc))
+            out.append(stream.push(mels[i][:, 30 * k:30 * (k + 1)]))
+        out.append(stream.finish())
+        results[i] = np.concatenate(out)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(refused) == 1 and "non-finite" in refused[0]
+    for i in range(4):
+        assert max_abs(results[i], expected[i]) <= 1e-6, i
+
+
+def test_a_lone_stream_does_not_wait_for_partners(small_artifacts):
+    batched = open_vocoder(small_artifacts.out, device="cpu", batching=True, max_wait_ms=500)
+    mel = random_mel(100, 3)
+    t0 = time.perf_counter()
+    run_stream(batched, mel, [25] * 4)
+    # 5 calls; had any waited for the 500 ms budget, this would take >= 2.5 s.
+    assert time.perf_counter() - t0 < 2.0
+
+
+def test_stream_limit_refuses_then_frees(small_artifacts):
+    v = open_vocoder(small_artifacts.out, device="cpu", max_streams=2)
+    a, b = v.stream(), v.stream()
+    with pytest.raises(OverloadError, match="2 streams are open, the limit"):
+        v.stream()
+    a.push(random_mel(10))
+    a.finish()
+    c = v.stream()  # a finished stream frees its slot
+    del b, c  # dropped streams free theirs too
+    v.stream()
+
+
+def test_idle_streams_expire_and_free_their_slot(small_artifacts):
+    v = open_vocoder(small_artifacts.out, device="cpu", max_streams=1, idle_timeout_s=0.05)
+    abandoned = v.stream()
+    abandoned.push(random_mel(20))
+    time.sleep(0.1)
+    fresh = v.stream()  # expires the abandoned one instead of refusing
+    assert v.open_streams == 1
+    with pytest.raises(StreamError, match="expired after 0.05 s idle"):
+        abandoned.push(random_mel(5))
+    assert np.concatenate([fresh.push(random_mel(10)), fresh.finish()]).shape == (480 * 10,)
+
+
+def test_asyncio_streams_batch_and_equal_alone(small_artifacts, alone):
+    batched = open_vocoder(small_artifacts.out, device="cpu", batching=True, max_wait_ms=5)
+    mels = [random_mel(60, seed=60 + i) for i in range(5)]
+    expected = [run_stream(alone, m, [20] * 3) for m in mels]
+
+    async def one(mel):
+        stream = batched.stream()
+        pieces = [await stream.apush(mel[:, k:k + 20]) for k in range(0, 60, 20)]
+        pieces.append(await stream.afinish())
+        return np.concatenate(pieces)
+
+    async def main():
+        return await asyncio.gather(*(one(m) for m in mels))
+
+    for got, want in zip(asyncio.run(main()), expected):
+        assert max_abs(got, want) <= 1e-6
