@@ -3,7 +3,7 @@
 Each stream's bookkeeping runs in its caller's thread, unchanged (:mod:`hift_runtime.streaming`); its backend calls
 come here. A call waits, at most ``max_wait_s``, for calls of the same kind and shape from other streams (the same
 step size: streams at different positions batch together, their caches stacked row by row), then one worker thread
-runs them as one call of the inner backend and hands each caller its row. A lone stream never waits: the worker only
+runs them as one call of the inner backend and hands each caller its row. A stream's final step runs on its own. A lone stream never waits: the worker only
 waits while other streams are inside a push and may still join.
 
 Isolation: a stream's input is validated in its own thread before it reaches the batch, so a bad chunk is refused for
@@ -79,7 +79,9 @@ class BatchingBackend:
     def generator_step(self, mel: np.ndarray, f0: np.ndarray, noise: np.ndarray, phase_in: np.ndarray,
                        first: np.ndarray, caches: dict[str, np.ndarray],
                        final: bool) -> tuple[np.ndarray, np.ndarray, Any]:
-        return self._submit(("generator", final, mel.shape[2]), (mel, f0, noise, phase_in, first, caches))
+        if final:  # once per stream, shapes of its own: batching it would only make the others wait
+            return self.inner.generator_step(mel, f0, noise, phase_in, first, caches, final)
+        return self._submit(("generator", mel.shape[2]), (mel, f0, noise, phase_in, first, caches))
 
     def warmup(self, step_sizes: tuple[int, ...] | None) -> None:
         prepare = getattr(self.inner, "warmup", None)
@@ -146,7 +148,6 @@ class BatchingBackend:
             mel = np.concatenate([c.args[0] for c in group], axis=0)
             f0, nxt = self.inner.f0_step(mel, _stack([c.args[1] for c in group]))
             return [(f0[i:i + 1], _row(nxt, i)) for i in range(len(group))]
-        final = group[0].key[1]
         stacked = [np.concatenate([c.args[j] for c in group], axis=0) for j in range(5)]
-        audio, phase, nxt = self.inner.generator_step(*stacked, _stack([c.args[5] for c in group]), final)
+        audio, phase, nxt = self.inner.generator_step(*stacked, _stack([c.args[5] for c in group]), False)
         return [(audio[i:i + 1], phase[i:i + 1], _row(nxt, i)) for i in range(len(group))]

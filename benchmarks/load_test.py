@@ -1,0 +1,143 @@
+"""Load test: K concurrent synthetic streams arriving over time, each pushing 24-frame chunks at real-time pace
+(one every 480 ms), through one opened runtime. Not a test: it reports figures per K.
+
+    python benchmarks/load_test.py --artifacts DIR --out benchmarks/results/NAME.json [--seconds 6]
+        [--ks 1,16,64,...] [--configs batched,batched_tf32,per_stream]
+
+Per K: push latency p50/p95/p99 (from each push's due time to its return, so falling behind counts), first-chunk
+latency, throughput (audio seconds produced per wall second), GPU memory. The ramp of a config stops once p95 passes
+240 ms (half a chunk). Configs: ``batched`` (the default on the GPU: cross-stream batching + CUDA graphs per step size
+and batch), ``batched_tf32`` (the same with TF32), ``per_stream`` (no batching: each stream's step is its own B = 1
+call, the landed path's shape).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+CHUNK = 24
+PERIOD_S = CHUNK * 480 / 24000
+P95_BOUND_MS = 240.0
+
+
+def synthetic_mel(frames: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return (np.cumsum(rng.standard_normal((80, frames)).astype(np.float32) * 0.2, axis=1) * 0.2 - 5).astype(np.float32)
+
+
+def gpu_memory_mb() -> float:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20).stdout
+        return float(out.strip().splitlines()[0])
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return float("nan")
+
+
+def run_k(vocoder, k: int, seconds: float) -> dict[str, Any]:
+    frames = int(seconds * 50)
+    mel = synthetic_mel(frames)
+    lat: list[float] = []
+    first: list[float] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+    start = time.monotonic() + 0.3
+
+    def stream(i: int) -> None:
+        t0 = start + PERIOD_S * i / k  # arrivals spread over one chunk period
+        try:
+            time.sleep(max(0.0, t0 - time.monotonic()))
+            s = vocoder.stream()
+            mine, head = [], None
+            for j, pos in enumerate(range(0, frames, CHUNK)):
+                due = t0 + j * PERIOD_S
+                time.sleep(max(0.0, due - time.monotonic()))
+                s.push(mel[:, pos:pos + CHUNK])
+                took = time.monotonic() - due
+                if j == 0:
+                    head = took
+                else:
+                    mine.append(took)
+            s.finish()
+            with lock:
+                lat.extend(mine)
+                first.append(head)
+        except Exception as exc:  # noqa: BLE001 - counted and reported
+            with lock:
+                errors.append(f"{type(exc).__name__}: {exc}"[:200])
+
+    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(k)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.monotonic() - start
+    a = np.asarray(lat) * 1e3 if lat else np.asarray([np.nan])
+    f = np.asarray(first) * 1e3 if first else np.asarray([np.nan])
+    stats = getattr(vocoder.backend, "stats", None)
+    return {"k": k, "push_p50_ms": round(float(np.percentile(a, 50)), 2),
+            "push_p95_ms": round(float(np.percentile(a, 95)), 2), "push_p99_ms": round(float(np.percentile(a, 99)), 2),
+            "first_chunk_p50_ms": round(float(np.percentile(f, 50)), 2),
+            "first_chunk_p95_ms": round(float(np.percentile(f, 95)), 2),
+            "throughput_audio_s_per_s": round(len(first) * frames * 480 / 24000 / wall, 1),
+            "errors": len(errors), "first_error": errors[0] if errors else None,
+            "gpu_memory_mb": gpu_memory_mb(), "max_batch": getattr(stats, "max_batch", 1)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--artifacts", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--seconds", type=float, default=6.0, help="utterance length per stream (default 6 s)")
+    p.add_argument("--ks", default="1,16,64,128,256,384,512,768,1024,1536")
+    p.add_argument("--configs", default="batched,batched_tf32,per_stream")
+    p.add_argument("--device", default="cuda", help="cuda (default) or cpu (to try the script)")
+    args = p.parse_args()
+    import onnxruntime as ort
+
+    if hasattr(ort, "preload_dlls"):
+        ort.preload_dlls()
+    from hift_runtime import CudaOptions, open_vocoder
+
+    result: dict[str, Any] = {"when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                              "onnxruntime": ort.__version__, "seconds_per_stream": args.seconds,
+                              "chunk_frames": CHUNK, "p95_bound_ms": P95_BOUND_MS, "command": "python "
+                              "benchmarks/load_test.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items()),
+                              "configs": {}}
+    ks = [int(x) for x in args.ks.split(",")]
+    for name in args.configs.split(","):
+        options = {"batched": (CudaOptions(), True), "batched_tf32": (CudaOptions(use_tf32=True), True),
+                   "per_stream": (CudaOptions(), False)}[name]
+        t0 = time.perf_counter()
+        vocoder = open_vocoder(args.artifacts, device=args.device, cuda=options[0], batching=options[1])
+        vocoder.warmup()
+        rows: list[dict[str, Any]] = []
+        result["configs"][name] = {"open_and_warmup_s": round(time.perf_counter() - t0, 1),
+                                   "gpu_memory_after_warmup_mb": gpu_memory_mb(), "runs": rows}
+        for k in ks:
+            row = run_k(vocoder, k, args.seconds)
+            rows.append(row)
+            print(name, json.dumps(row), flush=True)
+            Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+            if row["push_p95_ms"] > P95_BOUND_MS or row["errors"]:
+                break
+        kept = [r["k"] for r in rows if r["push_p95_ms"] <= P95_BOUND_MS and not r["errors"]]
+        result["configs"][name]["max_realtime_streams_at_p95_bound"] = max(kept, default=0)
+        close = getattr(vocoder.backend, "close", None)
+        if close:
+            close()
+        del vocoder
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
