@@ -90,7 +90,8 @@ def run_k(vocoder, k: int, seconds: float) -> dict[str, Any]:
             "first_chunk_p95_ms": round(float(np.percentile(f, 95)), 2),
             "throughput_audio_s_per_s": round(len(first) * frames * 480 / 24000 / wall, 1),
             "errors": len(errors), "first_error": errors[0] if errors else None,
-            "gpu_memory_mb": gpu_memory_mb(), "max_batch": getattr(stats, "max_batch", 1)}
+            "gpu_memory_mb": gpu_memory_mb(), "max_batch": getattr(stats, "max_batch", 1),
+            **({"each_push_ms": [round(x, 1) for x in a.tolist()]} if k == 1 else {})}
 
 
 def main() -> None:

@@ -254,6 +254,11 @@ class OrtBackend:
                                         f"(and not onnxruntime beside it)")
         gen = constants.generator_caches
         self._cuda = cuda or CudaOptions()
+        if providers[0] != CPU:
+            # CUDA sessions compute on the device; their CPU thread pools only run shape arithmetic, and spinning
+            # pools (one per session, a thread per core) starve the streams' own threads under load.
+            opts.intra_op_num_threads = intra_op_threads or 1
+            opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self._graphs: dict[int, _GraphStep] = {}
         self._lock = threading.Lock()  # CUDA-graph buffers are shared, and a capture must run alone on the device
         step_providers = providers
@@ -306,8 +311,15 @@ class OrtBackend:
         return {spec.name: spec.zeros(batch) for spec in specs}
 
     def f0_step(self, mel: np.ndarray, caches: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        (f0,), nxt = self._f0.run({"mel": mel}, caches)
-        return f0, nxt
+        if self.f0_provider != CUDA:
+            (f0,), nxt = self._f0.run({"mel": mel}, caches)
+            return f0, nxt
+        with self._lock:  # nothing may run on the device while warmup() captures a graph
+            rows = mel.shape[0]
+            batch = next((b for b in self._cuda.batch_sizes if b >= rows), rows)  # the shapes warmup() prepared
+            (f0,), nxt = self._f0.run({"mel": _pad_rows(mel, batch)},
+                                      {k: _pad_rows(np.asarray(v), batch) for k, v in caches.items()})
+        return f0[:rows], {k: v[:rows] for k, v in nxt.items()}
 
     def generator_step(self, mel: np.ndarray, f0: np.ndarray, noise: np.ndarray, phase_in: np.ndarray,
                        first: np.ndarray, caches: dict[str, np.ndarray],
@@ -342,6 +354,9 @@ class OrtBackend:
                             "noise": np.zeros((batch, src * c.samples_per_frame, c.num_sines), np.float32),
                             "phase_in": np.zeros((batch, c.num_sines)), "first": np.ones((batch, 1), bool)}
                     caches = self.new_caches("generator", batch)
+                    if self.f0_provider == CUDA:  # each F0 shape's first run is slow on the CUDA EP: do it now
+                        self._f0.run({"mel": np.zeros((batch, c.in_channels, size + c.f0_look_ahead), np.float32)},
+                                     self.new_caches("f0", batch))
                     if not self._graphs_enabled:
                         self._gen[False].run(dict(feed), caches)  # builds this shape's cuDNN state
                     elif (size, batch) not in self._graphs:
@@ -351,6 +366,12 @@ class OrtBackend:
                             graph.run(dict(feed), caches)
                         graph.captured = True
                         self._graphs[(size, batch)] = graph
+            for size in range(1, c.mel_look_ahead + 1):  # a stream's last step: at most 4 frames once pushes split
+                self._gen[True].run({"mel": np.zeros((1, c.in_channels, size), np.float32),
+                                     "f0": np.zeros((1, size), np.float32),
+                                     "noise": np.zeros((1, size * c.samples_per_frame, c.num_sines), np.float32),
+                                     "phase_in": np.zeros((1, c.num_sines)), "first": np.ones((1, 1), bool)},
+                                    self.new_caches("generator"))
 
 
 def open_vocoder(artifacts: str | os.PathLike[str], *, device: Device = "auto",

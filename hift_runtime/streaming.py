@@ -6,8 +6,9 @@ equals one offline ``finalize=True`` pass (see ``hift_export/step.py`` for the s
 (absolute mel frames; ``spf`` = 480 samples per frame; every constant read from the manifest):
 
 * **F0 step.** F0 of frame ``t`` reads mel ``t-8 .. t+3``. With ``n`` frames received, F0 is known for frames
-  ``< n-3``; a push runs the F0 step on the mel of the newly computable frames plus their 3 look-ahead frames. Each
-  frame's F0 is computed once; on finish the look-ahead is 3 zero frames (upstream's ``finalize=True``).
+  ``< n-3``; a push runs the F0 step on the mel of the newly computable frames plus their 3 look-ahead frames (as
+  steps of ``step_sizes``, like the generator). Each frame's F0 is computed once; on finish the look-ahead is 3 zero
+  frames (upstream's ``finalize=True``).
 * **Generator steps.** A step over frames ``[a, a+c)`` reads mel up to ``a+c+4`` (``conv_pre``'s look-ahead) and the
   source of frame ``a+c``, so with ``n`` frames received the generator advances to ``n-4`` and the audio, which lags
   one frame, is final up to frame ``n-5``: 100 ms held back (upstream's scheme holds back 160 ms; the audio is the
@@ -408,12 +409,16 @@ class VocoderStream:
         target = n if final else n - c.f0_look_ahead
         f0_calls = 0
         if target > f0_end:
-            window = mel[:, f0_end - base:]
+            window = mel[:, f0_end - base:]  # frames [f0_end, target + look-ahead)
             if final:
                 window = np.concatenate([window, np.zeros((c.in_channels, c.f0_look_ahead), np.float32)], axis=1)
-            out, f0_caches = backend.f0_step(window[None], f0_caches)
-            f0 = np.concatenate([f0, out[0]])
-            f0_calls, f0_end = 1, target
+            pieces_f0, pos = [f0], 0
+            for size in split_steps(target - f0_end, self._v.step_sizes):
+                out, f0_caches = backend.f0_step(window[None, :, pos:pos + size + c.f0_look_ahead], f0_caches)
+                pieces_f0.append(out[0])
+                pos += size
+                f0_calls += 1
+            f0, f0_end = np.concatenate(pieces_f0), target
 
         # 2. Generator steps up to where mel look-ahead and source look-ahead are known; on finish, one final step.
         phase, caches = self._phase, self._gen_caches
