@@ -3,11 +3,11 @@ usable (else the CPU EP, said in one log line). Every constant and every cache c
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import logging
 import os
-import threading
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -260,7 +260,10 @@ class OrtBackend:
             opts.intra_op_num_threads = intra_op_threads or 1
             opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self._graphs: dict[int, _GraphStep] = {}
-        self._lock = threading.Lock()  # CUDA-graph buffers are shared, and a capture must run alone on the device
+        # Every call on the CUDA EP runs on one thread of ours: ONNX Runtime keeps captured CUDA graphs per calling
+        # thread (a replay from another thread captures again, while other threads may be running kernels: the
+        # "operation not permitted when stream is capturing" crash), and the graphs' buffers are shared.
+        self._device = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hift-cuda")
         step_providers = providers
         if providers[0] != CPU and self._cuda.cuda_graphs:
             step_providers = [(CUDA, self._cuda.provider_options() | {"enable_cuda_graph": "1"}), CPU]
@@ -314,11 +317,13 @@ class OrtBackend:
         if self.f0_provider != CUDA:
             (f0,), nxt = self._f0.run({"mel": mel}, caches)
             return f0, nxt
-        with self._lock:  # nothing may run on the device while warmup() captures a graph
-            rows = mel.shape[0]
-            batch = next((b for b in self._cuda.batch_sizes if b >= rows), rows)  # the shapes warmup() prepared
-            (f0,), nxt = self._f0.run({"mel": _pad_rows(mel, batch)},
-                                      {k: _pad_rows(np.asarray(v), batch) for k, v in caches.items()})
+        return self._device.submit(self._f0_step_on_device, mel, caches).result()
+
+    def _f0_step_on_device(self, mel: np.ndarray, caches: dict[str, np.ndarray]) -> tuple[np.ndarray, Any]:
+        rows = mel.shape[0]
+        batch = next((b for b in self._cuda.batch_sizes if b >= rows), rows)  # the shapes warmup() prepared
+        (f0,), nxt = self._f0.run({"mel": _pad_rows(mel, batch)},
+                                  {k: _pad_rows(np.asarray(v), batch) for k, v in caches.items()})
         return f0[:rows], {k: v[:rows] for k, v in nxt.items()}
 
     def generator_step(self, mel: np.ndarray, f0: np.ndarray, noise: np.ndarray, phase_in: np.ndarray,
@@ -328,50 +333,56 @@ class OrtBackend:
         if self.generator_provider != CUDA:
             (audio, phase_out), nxt = self._gen[final].run(feed, caches)
             return audio, phase_out, nxt
-        with self._lock:
-            runner = self._gen[final]
-            if not final:
-                size = f0.shape[1] - self.constants.source_look_ahead
-                batch = next((b for b in self._cuda.batch_sizes if b >= mel.shape[0]), None)
-                graph = self._graphs.get((size, batch))
-                if graph is not None and graph.captured:
-                    runner = graph
-            (audio, phase_out), nxt = runner.run(feed, caches)
+        return self._device.submit(self._generator_step_on_device, feed, caches, final).result()
+
+    def _generator_step_on_device(self, feed: dict[str, np.ndarray], caches: dict[str, np.ndarray],
+                                  final: bool) -> tuple[np.ndarray, np.ndarray, Any]:
+        runner = self._gen[final]
+        if not final:
+            size = feed["f0"].shape[1] - self.constants.source_look_ahead
+            batch = next((b for b in self._cuda.batch_sizes if b >= feed["mel"].shape[0]), None)
+            graph = self._graphs.get((size, batch))
+            if graph is not None and graph.captured:
+                runner = graph
+        (audio, phase_out), nxt = runner.run(feed, caches)
         return audio, phase_out, nxt
 
     def warmup(self, step_sizes: tuple[int, ...] | None) -> None:
-        """Prepare every fixed step size on the CUDA EP: build its cuDNN state and, with ``cuda_graphs``, capture its
-        CUDA graph (with every other generator call locked out). A no-op on the CPU, where nothing is compiled."""
+        """Prepare every fixed step size (and batch size) on the CUDA EP: build its cuDNN state and, with
+        ``cuda_graphs``, capture its CUDA graph, on the device thread every later call runs on (so nothing else runs
+        on the device during a capture). A no-op on the CPU, where nothing is compiled."""
         if self.generator_provider != CUDA or not step_sizes:
             return
+        self._device.submit(self._warmup_on_device, step_sizes).result()
+
+    def _warmup_on_device(self, step_sizes: tuple[int, ...]) -> None:
         c = self.constants
-        with self._lock:
-            for batch in self._cuda.batch_sizes:
-                for size in step_sizes:
-                    src = size + c.source_look_ahead
-                    feed = {"mel": np.zeros((batch, c.in_channels, size + c.mel_look_ahead), np.float32),
-                            "f0": np.zeros((batch, src), np.float32),
-                            "noise": np.zeros((batch, src * c.samples_per_frame, c.num_sines), np.float32),
-                            "phase_in": np.zeros((batch, c.num_sines)), "first": np.ones((batch, 1), bool)}
-                    caches = self.new_caches("generator", batch)
-                    if self.f0_provider == CUDA:  # each F0 shape's first run is slow on the CUDA EP: do it now
-                        self._f0.run({"mel": np.zeros((batch, c.in_channels, size + c.f0_look_ahead), np.float32)},
-                                     self.new_caches("f0", batch))
-                    if not self._graphs_enabled:
-                        self._gen[False].run(dict(feed), caches)  # builds this shape's cuDNN state
-                    elif (size, batch) not in self._graphs:
-                        graph = _GraphStep(self._gen[False].session, len(self._graphs) + 1, size, batch, c,
-                                           self._cuda.device_id)
-                        for _ in range(3):  # ORT runs a graph id normally before it captures it
-                            graph.run(dict(feed), caches)
-                        graph.captured = True
-                        self._graphs[(size, batch)] = graph
-            for size in range(1, c.mel_look_ahead + 1):  # a stream's last step: at most 4 frames once pushes split
-                self._gen[True].run({"mel": np.zeros((1, c.in_channels, size), np.float32),
-                                     "f0": np.zeros((1, size), np.float32),
-                                     "noise": np.zeros((1, size * c.samples_per_frame, c.num_sines), np.float32),
-                                     "phase_in": np.zeros((1, c.num_sines)), "first": np.ones((1, 1), bool)},
-                                    self.new_caches("generator"))
+        for batch in self._cuda.batch_sizes:
+            for size in step_sizes:
+                src = size + c.source_look_ahead
+                feed = {"mel": np.zeros((batch, c.in_channels, size + c.mel_look_ahead), np.float32),
+                        "f0": np.zeros((batch, src), np.float32),
+                        "noise": np.zeros((batch, src * c.samples_per_frame, c.num_sines), np.float32),
+                        "phase_in": np.zeros((batch, c.num_sines)), "first": np.ones((batch, 1), bool)}
+                caches = self.new_caches("generator", batch)
+                if self.f0_provider == CUDA:  # each F0 shape's first run is slow on the CUDA EP: do it now
+                    self._f0.run({"mel": np.zeros((batch, c.in_channels, size + c.f0_look_ahead), np.float32)},
+                                 self.new_caches("f0", batch))
+                if not self._graphs_enabled:
+                    self._gen[False].run(dict(feed), caches)  # builds this shape's cuDNN state
+                elif (size, batch) not in self._graphs:
+                    graph = _GraphStep(self._gen[False].session, len(self._graphs) + 1, size, batch, c,
+                                       self._cuda.device_id)
+                    for _ in range(3):  # ORT runs a graph id normally before it captures it
+                        graph.run(dict(feed), caches)
+                    graph.captured = True
+                    self._graphs[(size, batch)] = graph
+        for size in range(1, c.mel_look_ahead + 1):  # a stream's last step: at most 4 frames once pushes split
+            self._gen[True].run({"mel": np.zeros((1, c.in_channels, size), np.float32),
+                                 "f0": np.zeros((1, size), np.float32),
+                                 "noise": np.zeros((1, size * c.samples_per_frame, c.num_sines), np.float32),
+                                 "phase_in": np.zeros((1, c.num_sines)), "first": np.ones((1, 1), bool)},
+                                self.new_caches("generator"))
 
 
 def open_vocoder(artifacts: str | os.PathLike[str], *, device: Device = "auto",
