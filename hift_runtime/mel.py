@@ -71,12 +71,14 @@ def mel_spectrogram(audio: np.ndarray, s: MelSettings = COSYVOICE3_MEL) -> np.nd
         raise ValueError(f"audio of {y.shape[0]} samples is too short for a mel frame (needs > {pad})")
     y = np.pad(y, (pad, pad), mode="reflect")
     frames = 1 + (y.shape[0] - s.n_fft) // s.hop
-    window = (0.5 - 0.5 * np.cos(2 * np.pi * np.arange(s.win) / s.win)).astype(np.float32)  # periodic Hann
+    window = 0.5 - 0.5 * np.cos(2 * np.pi * np.arange(s.win) / s.win)  # periodic Hann, float64
     if s.win < s.n_fft:  # torch.stft centres a shorter window inside n_fft
         left = (s.n_fft - s.win) // 2
         window = np.pad(window, (left, s.n_fft - s.win - left))
     index = np.arange(s.n_fft)[None, :] + s.hop * np.arange(frames)[:, None]
-    spectrum = np.fft.rfft(y[index].astype(np.float64) * window, axis=1)  # [frames, bins]
-    magnitude = np.sqrt(spectrum.real ** 2 + spectrum.imag ** 2 + 1e-9).astype(np.float32)
-    mel = slaney_mel_filters(s) @ magnitude.T
+    spectrum = np.fft.rfft(y[index].astype(np.float64) * window, axis=1)  # [frames, bins], float64
+    magnitude = np.sqrt(spectrum.real ** 2 + spectrum.imag ** 2 + 1e-9)
+    # Window, FFT and filter sums in float64 (upstream's float32 ones add ~1e-7 of each frame's peak, which the log
+    # turns into up to 4e-4 in the quietest bins); the filters are float32, as librosa returns them.
+    mel = slaney_mel_filters(s).astype(np.float64) @ magnitude.T
     return np.log(np.maximum(mel, 1e-5)).astype(np.float32)
