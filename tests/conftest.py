@@ -3,7 +3,6 @@ reduced-width config (same algorithm, 8x fewer channels) for properties that do 
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 
@@ -32,9 +31,6 @@ def pytest_configure(config) -> None:
                                 f"and {REFERENCE} must exist (../shared/fixtures beside the checkout)")
 
 
-def quiet(msg: str) -> None:
-    logging.getLogger("tests.export").info(msg)
-
 
 @pytest.fixture(scope="session")
 def reference() -> dict[str, np.ndarray]:
@@ -51,21 +47,52 @@ def reduced_config():
     return COSYVOICE3.reduced()
 
 
-@pytest.fixture(scope="session")
-def small_artifacts(tmp_path_factory, reduced_config):
-    """Seeded random weights, reduced width: ONNX + TorchScript + manifest, exported through the CLI as a user runs
-    it (``output`` keeps what it printed)."""
-    import json
+_EXPORTS: dict[str, tuple[Path, object]] = {}
+_EXPORT_ARGS = {"small": ["--reduced"], "full": ["--checkpoint", str(CHECKPOINT)]}
+
+
+def pytest_collection_finish(session) -> None:
+    """Start the exports the collected tests need in background processes as soon as the tests are known: the
+    reduced and the full-size export run side by side on the two cores (together they are most of the suite)."""
+    for which in _EXPORT_ARGS:
+        if any(f"{which}_artifacts" in getattr(item, "fixturenames", ()) for item in session.items):
+            if which == "small" or HAVE_FIXTURES:
+                _start_export(which)
+
+
+def _start_export(which: str) -> None:
     import subprocess
     import sys
+    import tempfile
+
+    if which in _EXPORTS:
+        return
+    out = Path(tempfile.mkdtemp(prefix=f"hift-{which}-")) / "artifacts"
+    process = subprocess.Popen([sys.executable, "-m", "hift_export.cli", *_EXPORT_ARGS[which], "--out", str(out)],
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _EXPORTS[which] = (out, process)
+
+
+def _finished_export(which: str):
+    """The export, run through the CLI as a user runs it (``output`` keeps what it printed)."""
+    import json
     from types import SimpleNamespace
 
-    out = tmp_path_factory.mktemp("small") / "artifacts"
-    run = subprocess.run([sys.executable, "-m", "hift_export.cli", "--reduced", "--out", str(out)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=1800)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return SimpleNamespace(out=out, manifest=json.loads((out / "manifest.json").read_text()),
-                           output=run.stdout + run.stderr)
+    _start_export(which)
+    out, process = _EXPORTS[which]
+    output, _ = process.communicate(timeout=1800)  # type: ignore[attr-defined]
+    assert process.returncode == 0, output[-3000:]  # type: ignore[attr-defined]
+    return SimpleNamespace(out=out, manifest=json.loads((out / "manifest.json").read_text()), output=output)
+
+
+@pytest.fixture(scope="session")
+def small_artifacts():
+    """Seeded random weights, reduced width: ONNX + TorchScript + manifest."""
+    import shutil
+
+    result = _finished_export("small")
+    yield result
+    shutil.rmtree(result.out.parent, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -76,14 +103,15 @@ def small_hift(reduced_config):
 
 
 @pytest.fixture(scope="session")
-def full_artifacts(tmp_path_factory):
+def full_artifacts():
     """The fixture checkpoint exported at full size (ONNX + TorchScript)."""
+    import shutil
+
     if not CHECKPOINT.is_file():
         pytest.skip(f"{CHECKPOINT} not found")
-    from hift_export.export import export_artifacts
-
-    out = tmp_path_factory.mktemp("full") / "artifacts"
-    return export_artifacts(str(CHECKPOINT), out, log=quiet)
+    result = _finished_export("full")
+    yield result
+    shutil.rmtree(result.out.parent, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

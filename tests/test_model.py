@@ -267,3 +267,16 @@ def test_bad_checkpoint_files(tmp_path, content, match, reduced_config):
         load_hift(str(path), config=reduced_config)
     assert not marker.exists(), "the pickled payload ran"
     assert "weights_only" not in str(exc.value)  # never advise turning the safe loader off
+
+
+def test_legacy_and_parametrized_weight_norm_give_identical_outputs(reduced_config):
+    """The same weights loaded through either torch weight-norm API fold to the same tensors and the same audio."""
+    state = random_state_dict(reduced_config, seed=5)
+    a = load_hift(state, config=reduced_config, weight_norm_api="parametrizations")
+    b = load_hift(state, config=reduced_config, weight_norm_api="legacy")
+    for (name, x), (_, y) in zip(a.generator.state_dict().items(), b.generator.state_dict().items()):
+        assert torch.equal(x, y), name
+    mel = torch.randn(1, 80, 12, generator=torch.Generator().manual_seed(0)) - 5
+    noise = torch.rand(480 * 12, 9, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        assert torch.equal(a.inference(mel, noise)[0], b.inference(mel, noise)[0])
