@@ -1,9 +1,9 @@
 """The neural-source-filter excitation (upstream ``SineGen2(causal=True)`` + ``SourceModuleHnNSF``) with explicit state.
 
 Upstream draws a fixed uniform noise table at construction (not in ``hift.pt``) and integrates the phase from
-sample 0 of every call. Here randomness and phase are inputs, so a bounded streaming window reproduces one offline
-pass: ``noise`` is the slice of the table for the samples being generated, and ``phase_in`` is the carried cumulative
-phase (per harmonic, in turns, float64) at the frame before the first frame. Carried unwrapped, a window reproduces
+sample 0 of every call. Here randomness and phase are inputs, so a streaming step reproduces one offline pass:
+``noise`` is the slice of the table for the samples being generated, and ``phase_in`` is the carried cumulative
+phase (per harmonic, in turns, float64) at the frame before the first frame. Carried unwrapped, a step reproduces
 upstream's float32 rounding of the running sum exactly; wrapped into [0, 1) (``sin(2*pi*480*x)`` has period 1/480,
 so dropping whole turns is exact in real arithmetic), it is more accurate than upstream on long utterances.
 
@@ -28,7 +28,7 @@ class HarmonicSource(nn.Module):
     """Sine + noise excitation merged to one channel by ``tanh(Linear(9 -> 1))``.
 
     ``forward(f0 [B,T], noise [B, T*spf, 9], phase_in [B, 9] float64)`` returns ``source [B, 1, T*spf]`` and the
-    cumulative phase per frame ``[B, T, 9]`` in float64, in turns (what a caller carries into the next window).
+    cumulative phase per frame ``[B, T, 9]`` in float64, in turns (what a caller carries into the next step).
     """
 
     def __init__(self, config: HiFTConfig) -> None:
@@ -46,7 +46,7 @@ class HarmonicSource(nn.Module):
         rad = rad - torch.floor(rad)  # torch.remainder(rad, 1), exact for rad >= 0 (F0 is |.|)
         # Upstream's CPU cumsum accumulates in float64 and rounds each prefix to float32. Doing the same explicitly
         # keeps exported graphs exact: a float32 CumSum (ONNX Runtime) drifts by ulps of ~56, which 2*pi*480 amplifies.
-        # The carried phase enters as the first term of the same sequential float64 sum, so a window that starts
+        # The carried phase enters as the first term of the same sequential float64 sum, so a step that starts
         # from the carried (unwrapped) sum adds in exactly the order of one pass from frame 0.
         terms = torch.cat([phase_in.to(torch.float64).unsqueeze(1), rad.to(torch.float64)], dim=1)
         cum = torch.cumsum(terms, dim=1)[:, 1:]

@@ -263,7 +263,7 @@ class StreamingVocoder:
         mel = validate_mel(mel, self.constants.in_channels)
         if mel.shape[1] == 0:
             return np.zeros(0, np.float32)
-        return self.stream()._advance(mel, final=True)
+        return VocoderStream(self)._advance(mel, final=True)  # not a registered stream: no slot, no limit
 
 def validate_mel(mel: Any, channels: int) -> np.ndarray:
     """``[C, T]`` or ``[1, C, T]`` real floats -> contiguous float32 ``[C, T]``; raise :class:`MelError` otherwise.

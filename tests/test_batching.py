@@ -12,20 +12,12 @@ import pytest
 from hift_runtime import MelError, OverloadError, StreamError, open_vocoder
 
 from .conftest import max_abs
-from .test_streaming import random_mel
+from .test_streaming import random_mel, stream_all
 
 
 def run_stream(vocoder, mel, schedule, delay=0.0):
-    time.sleep(delay)
-    stream = vocoder.stream()
-    out, pos = [], 0
-    for size in schedule:
-        if pos >= mel.shape[1]:
-            break
-        out.append(stream.push(mel[:, pos:pos + size]))
-        pos += size
-    out.append(stream.finish())
-    return np.concatenate(out)
+    time.sleep(delay)  # a random start time
+    return np.concatenate(stream_all(vocoder, mel, schedule)[0])
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 from hift_runtime import ArtifactError, MelError, StreamError, open_vocoder
 from hift_runtime.manifest import F0_STEP, GENERATOR_STEP, MANIFEST_NAME
 
-from .test_streaming import random_mel
+from .test_streaming import random_mel, stream_all
 
 
 @pytest.fixture(scope="module")
@@ -194,15 +194,7 @@ def test_concurrent_streams_are_independent(vocoder):
     schedules = [[5 + (i % 4) * 6] * 20 for i in range(32)]
 
     def run(mel, schedule):
-        stream = vocoder.stream()
-        out, pos = [], 0
-        for size in schedule:
-            if pos >= mel.shape[1]:
-                break
-            out.append(stream.push(mel[:, pos:pos + size]))
-            pos += size
-        out.append(stream.finish())
-        return np.concatenate(out)
+        return np.concatenate(stream_all(vocoder, mel, schedule)[0])
 
     alone = [run(m, s) for m, s in zip(mels, schedules)]
     results: dict[int, np.ndarray] = {}
