@@ -36,9 +36,10 @@ class CudaOptions:
 
     ``step_sizes``: a push becomes generator steps of these frame counts, so the GPU sees a few fixed shapes (the
     CUDA EP rebuilds every conv's cuDNN state when a session meets a new shape, ~180 ms on an H200); it must contain 1.
-    ``cuda_graphs``: each fixed step size is captured as a CUDA graph by ``warmup()`` (one session, one graph per
-    size, replayed over persistent device buffers); sizes not yet captured run as ordinary calls. Captures happen
-    only inside ``warmup()``, with every other call on the generator locked out.
+    ``cuda_graphs``: each fixed step size (and batch size) is captured as a CUDA graph by ``warmup()`` (one session,
+    one graph per shape, replayed over persistent device buffers); shapes not captured run as ordinary calls.
+    Captures happen only inside ``warmup()``, and every call on the CUDA EP, warmup included, runs on one device
+    thread, so nothing else runs on the device during a capture.
     """
 
     device_id: int = 0
@@ -46,8 +47,8 @@ class CudaOptions:
     cudnn_conv_algo_search: str = "HEURISTIC"
     step_sizes: tuple[int, ...] = (24, 16, 8, 4, 2, 1)
     cuda_graphs: bool = True
-    # The F0 step (float64 inside) on the GPU: bit-identical to the CPU EP's F0 and 2.3x faster per 24-frame step
-    # on an H200 (0.79 vs 1.80 ms, benchmarks/results/gpu-h200-step.json); False keeps it on the CPU.
+    # The F0 step (float64 inside) on the GPU: bit-identical to the CPU EP's F0 and 2.6x faster per 24-frame step
+    # on an H200 (0.50 vs 1.29 ms, benchmarks/results/gpu-h200-step.json); False keeps it on the CPU.
     f0_on_cuda: bool = True
     # Batch sizes captured for cross-stream batching (a batch of B streams runs on the smallest size >= B, padded).
     # (1,) without batching; open_vocoder(..., batching=True) on the GPU uses BATCH_SIZES.
