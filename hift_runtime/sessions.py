@@ -233,11 +233,12 @@ class OrtBackend:
         if any(v["dtype"] != "float32" for v in mel_in):
             raise ArtifactError(f"{manifest.path(F0_STEP)}: the F0 graph must take and return float32 (the manifest "
                                 f"lists {[(v['name'], v['dtype']) for v in mel_in]}); re-export with hift-export")
-        opts = ort.SessionOptions()
-        opts.log_severity_level = 3
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        if intra_op_threads:
-            opts.intra_op_num_threads = intra_op_threads
+        opts, cpu_opts = ort.SessionOptions(), ort.SessionOptions()
+        for o in (opts, cpu_opts):
+            o.log_severity_level = 3
+            o.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+            if intra_op_threads:
+                o.intra_op_num_threads = intra_op_threads
         providers: list[Any] = [CPU]
         reason = "device='cpu' requested"
         if device in ("auto", "cuda"):
@@ -260,7 +261,7 @@ class OrtBackend:
             # pools (one per session, a thread per core) starve the streams' own threads under load.
             opts.intra_op_num_threads = intra_op_threads or 1
             opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self._graphs: dict[int, _GraphStep] = {}
+        self._graphs: dict[tuple[int, int], _GraphStep] = {}  # (step size, batch size) -> captured graph
         # Every call on the CUDA EP runs on one thread of ours: ONNX Runtime keeps captured CUDA graphs per calling
         # thread (a replay from another thread captures again, while other threads may be running kernels: the
         # "operation not permitted when stream is capturing" crash), and the graphs' buffers are shared.
@@ -285,7 +286,9 @@ class OrtBackend:
                      True: _StepSession(self._session(GENERATOR_STEP_FINAL, opts, providers, gen), gen)}
         active = self._gen[False].session.get_providers()[0]
         f0_providers = providers if active == CUDA and self._cuda.f0_on_cuda else [CPU]
-        self._f0 = _StepSession(self._session(F0_STEP, opts, f0_providers, constants.f0_caches), constants.f0_caches)
+        f0_opts = opts if f0_providers is providers else cpu_opts  # a CPU session keeps its thread pool
+        self._f0 = _StepSession(self._session(F0_STEP, f0_opts, f0_providers, constants.f0_caches),
+                                constants.f0_caches)
         self.f0_provider = self._f0.session.get_providers()[0]
         if providers[0] != CPU and active != CUDA:
             reason = "CUDA EP could not start (no GPU or driver/CUDA libraries missing)"
