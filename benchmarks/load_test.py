@@ -23,15 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from bench_step import synthetic_mel  # one synthetic mel for every benchmark (same folder)
 
 CHUNK = 24
 PERIOD_S = CHUNK * 480 / 24000
 P95_BOUND_MS = 240.0
-
-
-def synthetic_mel(frames: int, seed: int = 0) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    return (np.cumsum(rng.standard_normal((80, frames)).astype(np.float32) * 0.2, axis=1) * 0.2 - 5).astype(np.float32)
 
 
 def gpu_memory_mb() -> float:

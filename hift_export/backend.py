@@ -10,7 +10,7 @@ from hift_runtime.noise import NoiseTable
 from hift_runtime.streaming import StreamConstants, StreamingVocoder
 
 from .model import HiFT
-from .step import f0_step, generator_step, step_contract, zero_caches
+from .step import dtype_name, f0_step, generator_step, step_contract, zero_caches
 
 
 class TorchBackend:
@@ -22,7 +22,7 @@ class TorchBackend:
             raise ValueError("the step needs the generator built with spectral='conv' (load_hift(..., spectral='conv'))")
         self.hift = hift
         self.name = f"torch[{hift.device.type}]"
-        self.contract = step_contract(hift.config, str(hift.f0_predictor.classifier.weight.dtype).removeprefix("torch."))
+        self.contract = step_contract(hift.config, dtype_name(hift.f0_predictor.classifier.weight.dtype))
 
     def new_caches(self, kind: str, batch: int = 1) -> dict[str, torch.Tensor]:
         if kind == "generator":

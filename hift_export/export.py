@@ -42,7 +42,7 @@ from .config import COSYVOICE3, HiFTConfig
 from .graphs import F0_STEP_INPUTS, GENERATOR_STEP_INPUTS
 from .model import DEFAULT_SEED, CheckpointSource, load_hift
 from .onnx_export import export_onnx, onnx_runners
-from .step import step_contract
+from .step import dtype_name, step_contract
 from .targets import ARTIFACT_FILES, STEP_TOLERANCE, ExportError, check_against_eager, judge
 from .torchscript_export import export_torchscript, torchscript_runners
 
@@ -51,7 +51,6 @@ FORMATS = ("onnx", "torchscript")
 # (bit-exact F0 on the fixture); "fp32" uses float32 Conv, ~20 % faster, but its rounding depends on the input length
 # (stepped F0 then differs from one pass by ~3e-3 Hz, which the phase integral turns into ~1e-3 of audio, 50 dB).
 F0_PRECISIONS = {"fp64": torch.float64, "fp32": torch.float32}
-F0_CACHE_DTYPES = {"fp64": "float64", "fp32": "float32"}
 DEFAULT_F0_PRECISION = "fp64"
 MIN_OPSET = 18
 
@@ -144,7 +143,7 @@ def export_artifacts(checkpoint: CheckpointSource | None = None, out: str | os.P
     if f0_precision == "fp64":
         hift.f0_predictor.impl = "matmul"  # ORT has no float64 Conv/Elu kernels; MatMul/Exp/Where it has
     log(f"[fold] {hift.fold_report}")
-    f0_dtype = F0_CACHE_DTYPES[f0_precision]
+    f0_dtype = dtype_name(F0_PRECISIONS[f0_precision])  # the F0 caches' dtype
     contract = step_contract(config, f0_dtype)
 
     out.parent.mkdir(parents=True, exist_ok=True)

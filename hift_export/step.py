@@ -232,6 +232,13 @@ def f0_step(predictor: CausalF0Predictor, mel: torch.Tensor,
     return f0.to(torch.float32), new
 
 
+DTYPES = {"float32": torch.float32, "float64": torch.float64}  # the manifest's dtype names (NumPy's)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float64`` -> ``"float64"``, as the manifest spells it."""
+    return next(name for name, value in DTYPES.items() if value == dtype)
+
+
 def zero_caches(layout: Sequence[dict[str, Any]], batch: int, device: Any = "cpu") -> dict[str, torch.Tensor]:
-    dtypes = {"float32": torch.float32, "float64": torch.float64}
-    return {e["name"]: torch.zeros(batch, *e["shape"], dtype=dtypes[e["dtype"]], device=device) for e in layout}
+    return {e["name"]: torch.zeros(batch, *e["shape"], dtype=DTYPES[e["dtype"]], device=device) for e in layout}

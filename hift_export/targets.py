@@ -14,7 +14,7 @@ from hift_runtime.metrics import max_abs
 from .config import HiFTConfig
 from .graphs import F0StepGraph, GeneratorStepGraph
 from .model import HiFT
-from .step import f0_cache_layout, generator_cache_layout
+from .step import DTYPES, f0_cache_layout, generator_cache_layout
 
 ARTIFACT_FILES = {
     GENERATOR_STEP: "hift_generator_step.onnx",
@@ -35,10 +35,6 @@ class ExportError(RuntimeError):
     """The export could not produce correct artifacts; the output folder was left as it was."""
 
 
-def _dtype(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "float64": torch.float64}[name]
-
-
 def example_generator_step_inputs(config: HiFTConfig, steps: int, batch: int, final: bool,
                                   seed: int = 0) -> tuple[Any, ...]:
     """Random inputs of a generator step of ``steps`` frames, with non-zero caches and mixed ``first`` flags."""
@@ -51,7 +47,7 @@ def example_generator_step_inputs(config: HiFTConfig, steps: int, batch: int, fi
     noise = torch.rand(batch, src_frames * spf, config.num_sines, generator=gen)
     phase_in = torch.rand(batch, config.num_sines, generator=gen, dtype=torch.float64) * 50.0
     first = (torch.arange(batch) % 2 == 0).reshape(batch, 1)
-    caches = [torch.randn(batch, *e["shape"], generator=gen, dtype=_dtype(e["dtype"])) * 0.1
+    caches = [torch.randn(batch, *e["shape"], generator=gen, dtype=DTYPES[e["dtype"]]) * 0.1
               for e in generator_cache_layout(config)]
     return mel, f0, noise, phase_in, first, caches
 
@@ -59,12 +55,13 @@ def example_generator_step_inputs(config: HiFTConfig, steps: int, batch: int, fi
 def example_f0_step_inputs(config: HiFTConfig, steps: int, batch: int, dtype: str, seed: int = 0) -> tuple[Any, ...]:
     gen = torch.Generator().manual_seed(seed)
     mel = torch.randn(batch, config.in_channels, steps + config.f0_look_ahead, generator=gen) * 2.0 - 5.0
-    caches = [torch.randn(batch, *e["shape"], generator=gen, dtype=_dtype(e["dtype"])) * 0.5
+    caches = [torch.randn(batch, *e["shape"], generator=gen, dtype=DTYPES[e["dtype"]]) * 0.5
               for e in f0_cache_layout(config, dtype)]
     return mel, caches
 
 
-def _flat(args: tuple[Any, ...]) -> list[np.ndarray]:
+def flat_arrays(args: tuple[Any, ...]) -> list[np.ndarray]:
+    """A graph wrapper's arguments (caches as one list) as the flat list of arrays its exported graph takes."""
     out: list[np.ndarray] = []
     for a in args:
         out.extend(x.numpy() for x in a) if isinstance(a, list) else out.append(a.numpy())
@@ -89,7 +86,7 @@ def check_against_eager(hift: HiFT, f0_dtype: str, run_generator: Callable[[bool
             for final in (False, True):
                 args = example_generator_step_inputs(hift.config, c, batch, final, seed=c)
                 want = [t.numpy() for t in GeneratorStepGraph(hift.generator, final)(*args)]
-                got = [np.asarray(g) for g in run_generator(final, _flat(args))]
+                got = [np.asarray(g) for g in run_generator(final, flat_arrays(args))]
                 key = "generator_step_final" if final else "generator_step"
                 figures[key] = max(figures[key], _max_abs(got[0], want[0], key))
                 for g, w in zip(got[2:], want[2:]):
@@ -98,7 +95,7 @@ def check_against_eager(hift: HiFT, f0_dtype: str, run_generator: Callable[[bool
                     raise ExportError(f"self-check: {key} phase_out differs from the eager step")
             args = example_f0_step_inputs(hift.config, c, batch, f0_dtype, seed=c)
             want = [t.numpy() for t in F0StepGraph(hift.f0_predictor, hift.config, f0_dtype)(*args)]
-            got = [np.asarray(g) for g in run_f0(_flat(args))]
+            got = [np.asarray(g) for g in run_f0(flat_arrays(args))]
             figures["f0_step"] = max(figures["f0_step"], _max_abs(got[0], want[0], "f0") / max(
                 float(np.max(np.abs(want[0]))), 1e-6))
             for g, w in zip(got[1:], want[1:]):

@@ -14,8 +14,8 @@ from typing import Any, Literal
 import numpy as np
 import onnxruntime as ort
 
-from .manifest import (F0_STEP, GENERATOR_STEP, GENERATOR_STEP_FINAL, GENERATOR_WEIGHTS, METADATA_PREFIX,
-                       ArtifactError, Manifest, read_manifest)
+from .manifest import (F0_STEP, GENERATOR_STEP, GENERATOR_STEP_FINAL, METADATA_PREFIX, RUNTIME_ROLES, ArtifactError,
+                       Manifest, read_manifest)
 from .noise import NoiseTable
 from .streaming import CacheSpec, StreamConstants, StreamingVocoder
 
@@ -71,6 +71,14 @@ def _ort_type(dtype: str) -> str:  # the manifest spells NumPy dtypes; ORT spell
     return f"tensor({ {'float32': 'float', 'float64': 'double'}.get(dtype, dtype)})"
 
 
+def _zero_step_feed(c: StreamConstants, size: int, batch: int, final: bool = False) -> dict[str, np.ndarray]:
+    """Zero inputs (the utterance start) of a generator step of ``size`` frames for ``batch`` streams."""
+    mel, src = (size, size) if final else (size + c.mel_look_ahead, size + c.source_look_ahead)
+    return {"mel": np.zeros((batch, c.in_channels, mel), np.float32), "f0": np.zeros((batch, src), np.float32),
+            "noise": np.zeros((batch, src * c.samples_per_frame, c.num_sines), np.float32),
+            "phase_in": np.zeros((batch, c.num_sines)), "first": np.ones((batch, 1), bool)}
+
+
 def _check_signature(session: ort.InferenceSession, entry: dict[str, Any], caches: tuple[CacheSpec, ...],
                      path: Any) -> None:
     """The graph's inputs and outputs are the manifest's, and every cache input/output has the layout's shape."""
@@ -82,11 +90,11 @@ def _check_signature(session: ort.InferenceSession, entry: dict[str, Any], cache
         raise ArtifactError(f"{path}: graph signature inputs {got_in} -> outputs {got_out} differs from the "
                             f"manifest's {want_in} -> {want_out}; the file does not belong to this manifest")
     shapes = {v.name: v.shape[1:] for v in [*session.get_inputs(), *session.get_outputs()]}
+    types = dict(got_in + got_out)
     for spec in caches:
         for name in (CACHE_PREFIX + spec.name, NEXT_PREFIX + spec.name):
-            if name in shapes and (list(shapes[name]) != list(spec.shape)
-                                   or dict(got_in + got_out)[name] != _ort_type(spec.dtype)):
-                raise ArtifactError(f"{path}: {name} is {shapes[name]} {dict(got_in + got_out)[name]}, the "
+            if name in shapes and (list(shapes[name]) != list(spec.shape) or types[name] != _ort_type(spec.dtype)):
+                raise ArtifactError(f"{path}: {name} is {shapes[name]} {types[name]}, the "
                                     f"manifest's cache layout says {list(spec.shape)} {spec.dtype}; re-export")
         if CACHE_PREFIX + spec.name not in shapes:
             raise ArtifactError(f"{path} has no input {CACHE_PREFIX + spec.name} from the manifest's cache layout; "
@@ -154,16 +162,11 @@ class _GraphStep:
                  constants: StreamConstants, device_id: int) -> None:
         c = constants
         self.session, self.size, self.batch, self.specs = session, size, batch, c.generator_caches
-        src = size + c.source_look_ahead
-        shapes: dict[str, tuple[tuple[int, ...], Any]] = {
-            "mel": ((batch, c.in_channels, size + c.mel_look_ahead), np.float32), "f0": ((batch, src), np.float32),
-            "noise": ((batch, src * c.samples_per_frame, c.num_sines), np.float32),
-            "phase_in": ((batch, c.num_sines), np.float64), "first": ((batch, 1), np.bool_)}
         out_shapes: dict[str, tuple[tuple[int, ...], Any]] = {
             "audio": ((batch, size * c.samples_per_frame), np.float32),
             "phase_out": ((batch, c.num_sines), np.float64)}
-        self.inputs = {k: ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, dtype), "cuda", device_id)
-                       for k, (shape, dtype) in shapes.items()}
+        self.inputs = {k: ort.OrtValue.ortvalue_from_numpy(v, "cuda", device_id)
+                       for k, v in _zero_step_feed(c, size, batch).items()}
         self.outputs = {k: ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, "cuda", device_id)
                         for k, (shape, dtype) in out_shapes.items()}
         self.sizes = [int(np.prod(spec.shape)) for spec in self.specs]
@@ -233,6 +236,7 @@ class OrtBackend:
         if any(v["dtype"] != "float32" for v in mel_in):
             raise ArtifactError(f"{manifest.path(F0_STEP)}: the F0 graph must take and return float32 (the manifest "
                                 f"lists {[(v['name'], v['dtype']) for v in mel_in]}); re-export with hift-export")
+        self._cuda = cuda or CudaOptions()
         opts, cpu_opts = ort.SessionOptions(), ort.SessionOptions()
         for o in (opts, cpu_opts):
             o.log_severity_level = 3
@@ -247,7 +251,7 @@ class OrtBackend:
                 if device == "cuda":
                     raise ArtifactError(f"device='cuda' requested but there is {reason}")
             elif CUDA in ort.get_available_providers():
-                providers = [(CUDA, (cuda or CudaOptions()).provider_options()), CPU]
+                providers = [(CUDA, self._cuda.provider_options()), CPU]
                 reason = ""
             else:
                 reason = f"this onnxruntime build has no CUDA EP (available: {ort.get_available_providers()})"
@@ -255,7 +259,6 @@ class OrtBackend:
                     raise ArtifactError(f"device='cuda' requested but {reason}; install onnxruntime-gpu "
                                         f"(and not onnxruntime beside it)")
         gen = constants.generator_caches
-        self._cuda = cuda or CudaOptions()
         if providers[0] != CPU:
             # CUDA sessions compute on the device; their CPU thread pools only run shape arithmetic, and spinning
             # pools (one per session, a thread per core) starve the streams' own threads under load.
@@ -295,7 +298,7 @@ class OrtBackend:
             if device == "cuda":
                 raise ArtifactError(f"device='cuda' requested but the {reason}")
         self.generator_provider = active
-        self.step_sizes = (cuda or CudaOptions()).step_sizes if active == CUDA else None
+        self.step_sizes = self._cuda.step_sizes if active == CUDA else None
         self.name = f"ort[{'cuda' if active == CUDA else 'cpu'}]"
         log.info("hift_runtime: generator on %s%s; F0 on %s", active, f" ({reason})" if reason else "",
                  self.f0_provider)
@@ -363,11 +366,7 @@ class OrtBackend:
         c = self.constants
         for batch in self._cuda.batch_sizes:
             for size in step_sizes:
-                src = size + c.source_look_ahead
-                feed = {"mel": np.zeros((batch, c.in_channels, size + c.mel_look_ahead), np.float32),
-                        "f0": np.zeros((batch, src), np.float32),
-                        "noise": np.zeros((batch, src * c.samples_per_frame, c.num_sines), np.float32),
-                        "phase_in": np.zeros((batch, c.num_sines)), "first": np.ones((batch, 1), bool)}
+                feed = _zero_step_feed(c, size, batch)
                 caches = self.new_caches("generator", batch)
                 if self.f0_provider == CUDA:  # each F0 shape's first run is slow on the CUDA EP: do it now
                     self._f0.run({"mel": np.zeros((batch, c.in_channels, size + c.f0_look_ahead), np.float32)},
@@ -382,11 +381,7 @@ class OrtBackend:
                     graph.captured = True
                     self._graphs[(size, batch)] = graph
         for size in range(1, c.mel_look_ahead + 1):  # a stream's last step: at most 4 frames once pushes split
-            self._gen[True].run({"mel": np.zeros((1, c.in_channels, size), np.float32),
-                                 "f0": np.zeros((1, size), np.float32),
-                                 "noise": np.zeros((1, size * c.samples_per_frame, c.num_sines), np.float32),
-                                 "phase_in": np.zeros((1, c.num_sines)), "first": np.ones((1, 1), bool)},
-                                self.new_caches("generator"))
+            self._gen[True].run(_zero_step_feed(c, size, 1, final=True), self.new_caches("generator"))
 
 
 def open_vocoder(artifacts: str | os.PathLike[str], *, device: Device = "auto",
@@ -406,8 +401,7 @@ def open_vocoder(artifacts: str | os.PathLike[str], *, device: Device = "auto",
     """
     if device not in DEVICES:
         raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
-    manifest = read_manifest(artifacts, verify=(GENERATOR_STEP, GENERATOR_STEP_FINAL, GENERATOR_WEIGHTS, F0_STEP)
-                             if verify_hashes else None)
+    manifest = read_manifest(artifacts, verify=RUNTIME_ROLES if verify_hashes else None)
     try:
         constants = StreamConstants.from_manifest(manifest.config, manifest.step)
     except (KeyError, TypeError, ValueError) as exc:

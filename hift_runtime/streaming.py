@@ -126,15 +126,6 @@ class StreamConstants:
                    generator_caches=tuple(CacheSpec.from_manifest(e) for e in step["generator_caches"]),
                    f0_caches=tuple(CacheSpec.from_manifest(e) for e in step["f0_caches"]))
 
-    @property
-    def held_back_frames(self) -> int:
-        """Frames received but not yet emitted after a push (5): ``conv_pre`` look-ahead + the audio's lag."""
-        return self.mel_look_ahead + self.audio_lag
-
-    def emitted_after(self, frames: int) -> int:
-        """Samples a stream has emitted after pushes totalling ``frames`` frames (before ``finish``)."""
-        return max(0, frames - self.held_back_frames) * self.samples_per_frame
-
 
 def split_steps(count: int, sizes: tuple[int, ...] | None) -> list[int]:
     """``count`` frames as steps: one step (``sizes=None``), or greedily the largest allowed sizes (``sizes`` must

@@ -15,7 +15,8 @@ from hift_export.cli import main as export_main
 from hift_export.graphs import F0StepGraph, GeneratorStepGraph
 from hift_export.onnx_export import op_types
 from hift_export.step import f0_cache_layout, generator_cache_layout
-from hift_export.targets import ARTIFACT_FILES, example_f0_step_inputs, example_generator_step_inputs
+from hift_export.targets import (ARTIFACT_FILES, example_f0_step_inputs, example_generator_step_inputs,
+                                 flat_arrays)
 from hift_runtime.manifest import (F0_STEP, GENERATOR_STEP, GENERATOR_STEP_FINAL, GENERATOR_WEIGHTS, MANIFEST_NAME,
                                    sha256_file)
 
@@ -30,13 +31,6 @@ def _sessions(out):
     opts.log_severity_level = 3
     return {role: ort.InferenceSession(str(out / ARTIFACT_FILES[role]), opts, providers=["CPUExecutionProvider"])
             for role in ONNX_ROLES}
-
-
-def _flat(args):
-    out = []
-    for a in args:
-        out.extend(x.numpy() for x in a) if isinstance(a, list) else out.append(a.numpy())
-    return out
 
 
 def _eager(hift, f0_precision):
@@ -149,7 +143,7 @@ def _check_step_graphs(out, hift, steps, batch, seed):
             args = example_generator_step_inputs(hift.config, steps, batch, final, seed=seed)
             want = [t.numpy() for t in GeneratorStepGraph(hift.generator, final)(*args)]
             names = [i.name for i in sessions[role].get_inputs()]
-            got = sessions[role].run(None, dict(zip(names, _flat(args))))
+            got = sessions[role].run(None, dict(zip(names, flat_arrays(args))))
             ts = [t.numpy() for t in scripted[role](*args)]
             assert got[0].shape == (batch, 480 * (steps + 1 if final else steps))
             # Audio: measured <= 2e-7 (ORT CPU), 0 (TorchScript). Caches: <= 8e-6 at full size with these random
@@ -160,7 +154,8 @@ def _check_step_graphs(out, hift, steps, batch, seed):
                 assert max_abs(g, w) <= 1e-5 * max(1.0, float(np.max(np.abs(w))) / 10) and max_abs(t, w) <= 1e-6
         args = example_f0_step_inputs(hift.config, steps, batch, "float64", seed=seed)
         want = [t.numpy() for t in F0StepGraph(hift.f0_predictor, hift.config, "float64")(*args)]
-        got = sessions[F0_STEP].run(None, dict(zip([i.name for i in sessions[F0_STEP].get_inputs()], _flat(args))))
+        names = [i.name for i in sessions[F0_STEP].get_inputs()]
+        got = sessions[F0_STEP].run(None, dict(zip(names, flat_arrays(args))))
         assert got[0].dtype == np.float32 and got[0].shape == (batch, steps)
         np.testing.assert_array_equal(got[0], want[0])  # float64 inside both: the same F0, bit for bit
         for g, w in zip(got[1:], want[1:]):
