@@ -18,6 +18,7 @@ from .audio_io import SUBTYPES, AudioFormatError, check_audio_path, read_mel, wr
 from .manifest import ArtifactError
 from .noise import NoiseTableError
 from .streaming import MelError, StreamError, StreamingVocoder, validate_mel
+from .wire import ServerError
 
 
 class UsageError(ValueError):
@@ -72,7 +73,10 @@ def _wav_mel(path: str) -> np.ndarray:
 
 def _parser() -> argparse.ArgumentParser:
     p = OneLineArgumentParser(prog="hift-vocode", description="Vocode a mel with the exported CosyVoice3 HiFT.")
-    p.add_argument("--artifacts", required=True, help="folder written by hift-export")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--artifacts", help="folder written by hift-export (vocode in this process)")
+    where.add_argument("--server", help="a running hift-serve: HOST:PORT (gRPC), grpc://HOST:PORT or "
+                                        "http://HOST:PORT (stream the chunks through it)")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--mel", help="input mel, .npy or .npz ([80, T] or [1, 80, T] natural-log mel)")
     source.add_argument("--wav", help="input speech (any format libsndfile reads, any rate: resampled to 24 kHz); "
@@ -84,10 +88,10 @@ def _parser() -> argparse.ArgumentParser:
                                                   "(its last size repeats; default 24)")
     p.add_argument("--offline", action="store_true", help="one offline pass instead of streaming")
     p.add_argument("--noise-table", help="upstream noise table dumped to .npy, shape (N, 9) or (1, N, 9)")
-    p.add_argument("--noise-seed", type=int, default=0, help="seed of the generated noise table (default 0)")
-    p.add_argument("--phase", choices=["upstream", "wrapped"], default="upstream",
+    p.add_argument("--noise-seed", type=int, help="seed of the generated noise table (default 0)")
+    p.add_argument("--phase", choices=["upstream", "wrapped"],
                    help="carried phase: upstream rounding (default) or wrapped (more accurate on long streams)")
-    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="generator device")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], help="generator device (default auto)")
     p.add_argument("--check", action="store_true",
                    help="also run eager PyTorch through the same bookkeeping and compare (needs torch + hift_export)")
     p.add_argument("--checkpoint", help="checkpoint for --check when the manifest's path is not available")
@@ -103,16 +107,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out)
     try:
         check_audio_path(out, args.subtype)
+        schedule = parse_schedule(args.chunks)
+        if args.server:
+            return _via_server(args, schedule, out, say)
         from .sessions import open_vocoder
 
-        schedule = parse_schedule(args.chunks)
         # One stream: no batching; warmup() captures the few step shapes it meets (a no-op on the CPU).
-        vocoder = open_vocoder(args.artifacts, device=args.device, noise_table=args.noise_table,
-                               noise_seed=args.noise_seed, phase=args.phase, batching=False)
+        vocoder = open_vocoder(args.artifacts, device=args.device or "auto", noise_table=args.noise_table,
+                               noise_seed=args.noise_seed or 0, phase=args.phase or "upstream", batching=False)
         vocoder.warmup()
         mel = validate_mel(read_mel(args.mel) if args.mel else _wav_mel(args.wav), vocoder.constants.in_channels)
         sizes = chunk_sizes(schedule, mel.shape[1])
-        sample_rate = int(vocoder.backend.manifest.config["sampling_rate"])  # type: ignore[attr-defined]
+        sample_rate = vocoder.constants.sample_rate
         say(f"hift-vocode: generator on {vocoder.backend.name}; {mel.shape[1]} frames "
             f"({mel.shape[1] * vocoder.constants.samples_per_frame / sample_rate:.2f} s of audio)", flush=True)
         started = time.perf_counter()
@@ -129,9 +135,52 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"-> {out}")
         if args.check:
             return _check(args, vocoder, mel, sizes, out, sample_rate, say)
-    except (ArtifactError, MelError, StreamError, UsageError, AudioFormatError, NoiseTableError, OSError) as exc:
+    except (ArtifactError, MelError, StreamError, UsageError, AudioFormatError, NoiseTableError, ServerError,
+            OSError) as exc:
         print(f"hift-vocode: error: {exc}", file=sys.stderr)
         return 2
+    return 0
+
+
+# Settings of the server's vocoder (hift-serve takes them), not of a client.
+_SERVER_SIDE = {"offline": "--offline", "noise_table": "--noise-table", "noise_seed": "--noise-seed",
+                "phase": "--phase", "device": "--device", "check": "--check"}
+
+
+def _via_server(args: argparse.Namespace, schedule: Sequence[int], out: Path, say) -> int:
+    """Stream the mel through a running hift-serve; the same chunks, output and messages as in-process."""
+    given = [flag for key, flag in _SERVER_SIDE.items() if getattr(args, key) not in (None, False)]
+    if given:
+        raise UsageError(f"{', '.join(given)} cannot be used with --server: they are the server's settings "
+                         f"(see hift-serve --help)")
+    from tqdm import tqdm
+
+    from .client import ServerClient
+
+    client = ServerClient(args.server)
+    try:
+        mel = validate_mel(read_mel(args.mel) if args.mel else _wav_mel(args.wav), client.in_channels)
+        if mel.shape[1] == 0:
+            raise UsageError("the mel has no frames: nothing to send")
+        sizes = chunk_sizes(schedule, mel.shape[1])
+        say(f"hift-vocode: streaming {mel.shape[1]} frames in {len(sizes)} chunks through {args.server}", flush=True)
+        stream, pieces, pos = client.stream(), [], 0
+        started = time.perf_counter()
+        with tqdm(total=mel.shape[1], unit="frame", disable=args.quiet, leave=False, file=sys.stderr,
+                  desc="hift-vocode") as progress:
+            for i, size in enumerate(sizes):
+                pieces.append(stream.push(mel[:, pos:pos + size], end=i == len(sizes) - 1))
+                pos += size
+                progress.update(size)
+        wall = time.perf_counter() - started
+    finally:
+        client.close()
+    audio = np.concatenate(pieces)
+    sample_rate = int(stream.sample_rate)
+    write_audio(out, audio, sample_rate, args.subtype)
+    seconds = audio.shape[0] / sample_rate
+    say(f"hift-vocode: streamed {len(sizes)} chunks via {args.server}: {seconds:.2f} s of audio in {wall:.2f} s "
+        f"(RTF {wall / max(seconds, 1e-9):.3f}) -> {out}")
     return 0
 
 

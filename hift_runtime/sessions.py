@@ -62,7 +62,7 @@ class CudaOptions:
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
-def _nvidia_driver_present() -> bool:
+def nvidia_driver_present() -> bool:
     """onnxruntime-gpu lists the CUDA EP even where there is no GPU and then logs errors when asked for it."""
     return os.path.exists("/proc/driver/nvidia/version") or os.path.exists("/dev/nvidiactl")
 
@@ -246,7 +246,7 @@ class OrtBackend:
         providers: list[Any] = [CPU]
         reason = "device='cpu' requested"
         if device in ("auto", "cuda"):
-            if not _nvidia_driver_present():
+            if not nvidia_driver_present():
                 reason = "no NVIDIA driver on this host"
                 if device == "cuda":
                     raise ArtifactError(f"device='cuda' requested but there is {reason}")

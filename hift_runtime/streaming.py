@@ -106,6 +106,7 @@ class StreamConstants:
     """Everything the bookkeeping needs, read from the manifest (config + step contract): never hard-coded here."""
 
     in_channels: int
+    sample_rate: int
     samples_per_frame: int
     f0_look_ahead: int
     mel_look_ahead: int
@@ -119,7 +120,8 @@ class StreamConstants:
     @classmethod
     def from_manifest(cls, config: dict[str, Any], step: dict[str, Any]) -> "StreamConstants":
         d = config["derived"]
-        return cls(in_channels=int(config["in_channels"]), samples_per_frame=int(d["samples_per_frame"]),
+        return cls(in_channels=int(config["in_channels"]), sample_rate=int(config["sampling_rate"]),
+                   samples_per_frame=int(d["samples_per_frame"]),
                    f0_look_ahead=int(step["f0_look_ahead_frames"]), mel_look_ahead=int(step["mel_look_ahead_frames"]),
                    source_look_ahead=int(step["source_look_ahead_frames"]), audio_lag=int(step["audio_lag_frames"]),
                    num_sines=int(d["num_sines"]), noise_table_length=int(d["noise_table_length"]),
@@ -316,6 +318,11 @@ class VocoderStream:
     @property
     def finished(self) -> bool:
         return self._finished
+
+    @property
+    def expired(self) -> bool:
+        """True once the stream was idle longer than ``idle_timeout_s`` and its state was released."""
+        return self._expired
 
     @property
     def mel_cache_frames(self) -> int:

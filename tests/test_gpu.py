@@ -8,12 +8,12 @@ import onnxruntime as ort
 import pytest
 
 from hift_runtime import ArtifactError, CudaOptions, open_vocoder
-from hift_runtime.sessions import _nvidia_driver_present
+from hift_runtime.sessions import nvidia_driver_present
 
 from .conftest import max_abs, snr_db
 from .test_streaming import random_mel, stream_all
 
-HAS_GPU = _nvidia_driver_present() and "CUDAExecutionProvider" in ort.get_available_providers()
+HAS_GPU = nvidia_driver_present() and "CUDAExecutionProvider" in ort.get_available_providers()
 gpu_only = [pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="no NVIDIA GPU / CUDA EP on this host")]
 
 

@@ -1,0 +1,118 @@
+"""A client of ``hift-serve`` (tritonclient): stream a mel through a running server, chunk by chunk.
+
+``ServerClient("localhost:8001")`` speaks gRPC; ``"http://localhost:8000"`` speaks HTTP. One
+:class:`RemoteStream` per utterance; its chunks go one at a time (the server orders each stream's requests, and a
+client waits for each reply), many streams may run from many threads, one client each.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import numpy as np
+
+from . import wire
+from .wire import ServerError
+
+
+def _parse_url(url: str) -> tuple[str, str]:
+    for scheme in ("grpc", "http"):
+        if url.startswith(f"{scheme}://"):
+            return scheme, url[len(scheme) + 3:]
+    if "://" in url:
+        raise ValueError(f"server address {url!r}: use HOST:PORT (gRPC), grpc://HOST:PORT or http://HOST:PORT")
+    return "grpc", url
+
+
+class ServerClient:
+    """A connection to a ``hift-serve`` model; checks at once that the server and the model are ready."""
+
+    def __init__(self, url: str, model_name: str = wire.MODEL_NAME, timeout_s: float = 60.0) -> None:
+        self.protocol, address = _parse_url(url)
+        self.model_name, self.timeout_s = model_name, timeout_s
+        if self.protocol == "grpc":
+            import tritonclient.grpc as tc
+        else:
+            import tritonclient.http as tc
+        self._tc = tc
+        try:
+            self._client = tc.InferenceServerClient(address)
+            ready = self._client.is_model_ready(model_name)
+        except Exception as exc:  # noqa: BLE001 - connection refused, DNS, TLS: one clear line
+            raise ServerError(f"cannot reach a server at {url} ({self.protocol}): {_short(exc)}; is hift-serve "
+                              f"running there?") from None
+        if not ready:
+            raise ServerError(f"the server at {url} has no ready model {model_name!r}")
+        self.in_channels = self._mel_channels()
+        self.url = url
+
+    def _mel_channels(self) -> int:
+        meta = self._client.get_model_metadata(self.model_name)
+        inputs = meta.inputs if hasattr(meta, "inputs") else meta["inputs"]
+        for entry in inputs:
+            name = entry.name if hasattr(entry, "name") else entry["name"]
+            if name == wire.MEL:
+                shape = list(entry.shape if hasattr(entry, "shape") else entry["shape"])
+                return int(shape[-2])
+        raise ServerError(f"model {self.model_name!r} at {self.url} has no {wire.MEL!r} input: not a hift-serve model")
+
+    def stream(self, stream_id: str | None = None) -> "RemoteStream":
+        return RemoteStream(self, stream_id or uuid.uuid4().hex)
+
+    def infer(self, stream_id: str, mel: np.ndarray, start: bool, end: bool) -> tuple[np.ndarray, int]:
+        """One chunk: ``(audio, sample_rate)``; raises :class:`ServerError` with the server's message if refused."""
+        tc = self._tc
+        mel = np.ascontiguousarray(mel, np.float32)
+        if mel.ndim != 2 or mel.shape[0] != self.in_channels or mel.shape[1] < 1:
+            raise ServerError(f"a chunk must be [{self.in_channels}, T] with T >= 1 frames, got {tuple(mel.shape)}")
+        values = {wire.STREAM_ID: np.array([[stream_id.encode()]], dtype=object), wire.MEL: mel[None],
+                  wire.START: np.array([[start]]), wire.END: np.array([[end]])}
+        types = {wire.STREAM_ID: "BYTES", wire.MEL: "FP32", wire.START: "BOOL", wire.END: "BOOL"}
+        inputs = []
+        for name, value in values.items():
+            tensor = tc.InferInput(name, list(value.shape), types[name])
+            tensor.set_data_from_numpy(value)
+            inputs.append(tensor)
+        try:
+            result = self._client.infer(self.model_name, inputs, **self._timeout())
+        except Exception as exc:  # noqa: BLE001 - a transport or Triton error
+            raise ServerError(f"{self.url}: {_short(exc)}") from None
+        error = _first(result.as_numpy(wire.ERROR))
+        if error:
+            raise ServerError(error.decode() if isinstance(error, bytes) else str(error))
+        samples = int(_first(result.as_numpy(wire.SAMPLES)))
+        return result.as_numpy(wire.AUDIO).reshape(-1)[:samples].copy(), int(_first(result.as_numpy(wire.SAMPLE_RATE)))
+
+    def _timeout(self) -> dict[str, Any]:
+        return {"client_timeout": self.timeout_s} if self.protocol == "grpc" else {}
+
+    def close(self) -> None:
+        self._client.close()
+
+
+class RemoteStream:
+    """One utterance on the server: ``push(chunk)`` returns the audio it released; ``push(last, end=True)`` also
+    returns the held-back tail and closes the stream."""
+
+    def __init__(self, client: ServerClient, stream_id: str) -> None:
+        self.client, self.stream_id = client, stream_id
+        self._started = self._ended = False
+        self.sample_rate: int | None = None
+
+    def push(self, mel: np.ndarray, end: bool = False) -> np.ndarray:
+        if self._ended:
+            raise ServerError(f"stream {self.stream_id!r}: push after end=true; open a new stream")
+        audio, self.sample_rate = self.client.infer(self.stream_id, mel, start=not self._started, end=end)
+        self._started = True
+        self._ended = end
+        return audio
+
+
+def _first(value: Any) -> Any:
+    return np.asarray(value).reshape(-1)[0]
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

@@ -1,0 +1,171 @@
+"""``hift-serve``: the streaming vocoder behind Triton Inference Server, through PyTriton.
+
+Triton gives HTTP, gRPC, the metrics endpoint and health checks; its dynamic batcher groups concurrent streams'
+requests, and one Triton batch becomes one :meth:`StreamTable.handle` call, whose streams step together through the
+runtime's batching backend (one batched F0 step and one batched generator step per step size). Stream state stays in
+this process, keyed by stream id (:mod:`hift_runtime.serving`); the wire contract is :mod:`hift_runtime.wire`.
+
+Needs the ``[serve]`` extra (``nvidia-pytriton``, which ships ``tritonserver`` and wants numpy < 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import sysconfig
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import wire
+from .argparsing import OneLineArgumentParser
+from .manifest import ArtifactError
+from .noise import NoiseTableError
+from .serving import ChunkRequest, StreamTable
+from .sessions import nvidia_driver_present
+from .streaming import StreamingVocoder
+
+
+def _first(value: np.ndarray) -> Any:
+    return value.reshape(-1)[0]
+
+
+def _request(data: dict[str, np.ndarray]) -> ChunkRequest:
+    sid = _first(data[wire.STREAM_ID])
+    sid = sid.decode("utf-8", "replace") if isinstance(sid, bytes) else str(sid)
+    return ChunkRequest(sid, data[wire.MEL][0], bool(_first(data[wire.START])), bool(_first(data[wire.END])))
+
+
+def make_infer_func(table: StreamTable, sample_rate: int):
+    """The PyTriton inference callable: a list of Triton requests (one Triton batch) -> one reply each."""
+    rate = np.array([[sample_rate]], np.int32)
+
+    def infer(requests: list[Any]) -> list[dict[str, np.ndarray]]:
+        replies = table.handle([_request(r.data if hasattr(r, "data") else r) for r in requests])
+        out = []
+        for reply in replies:
+            samples = reply.audio.shape[0]
+            audio = reply.audio if samples else np.zeros(1, np.float32)  # PyTriton cannot carry an empty tensor
+            out.append({wire.AUDIO: audio[None], wire.SAMPLES: np.array([[samples]], np.int64),
+                        wire.SAMPLE_RATE: rate, wire.ERROR: np.array([[reply.error.encode()]], dtype=object)})
+        return out
+
+    return infer
+
+
+def bind(triton: Any, table: StreamTable, *, in_channels: int, sample_rate: int, max_batch: int,
+         max_wait_ms: float, model_name: str = wire.MODEL_NAME) -> None:
+    """Bind the streaming vocoder to a started-or-not ``pytriton.triton.Triton`` as ``model_name``."""
+    from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
+
+    triton.bind(
+        model_name=model_name,
+        infer_func=make_infer_func(table, sample_rate),
+        inputs=[Tensor(name=wire.STREAM_ID, dtype=bytes, shape=(1,)),
+                Tensor(name=wire.MEL, dtype=np.float32, shape=(in_channels, -1)),
+                Tensor(name=wire.START, dtype=np.bool_, shape=(1,)),
+                Tensor(name=wire.END, dtype=np.bool_, shape=(1,))],
+        outputs=[Tensor(name=wire.AUDIO, dtype=np.float32, shape=(-1,)),
+                 Tensor(name=wire.SAMPLES, dtype=np.int64, shape=(1,)),
+                 Tensor(name=wire.SAMPLE_RATE, dtype=np.int32, shape=(1,)),
+                 Tensor(name=wire.ERROR, dtype=bytes, shape=(1,))],
+        config=ModelConfig(max_batch_size=max_batch,
+                           batcher=DynamicBatcher(max_queue_delay_microseconds=int(max_wait_ms * 1000))),
+        strict=False)
+
+
+def shared_libpython_env() -> None:
+    """Triton's Python-backend stub must load this interpreter's own shared libpython (else it loads another one and
+    fails in ``multiprocessing``); the server process passes its environment on to the stub."""
+    libdir = sysconfig.get_config_var("LIBDIR")
+    if libdir:
+        paths = [p for p in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
+        if libdir not in paths:
+            os.environ["LD_LIBRARY_PATH"] = os.pathsep.join([libdir, *paths])
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = OneLineArgumentParser(prog="hift-serve", description="Serve the streaming vocoder on Triton Inference Server "
+                                                             "(HTTP, gRPC, metrics) through PyTriton.")
+    p.add_argument("--artifacts", required=True, help="folder written by hift-export")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 for every interface)")
+    p.add_argument("--http-port", type=int, default=wire.DEFAULT_HTTP_PORT, help="HTTP port (default 8000)")
+    p.add_argument("--grpc-port", type=int, default=wire.DEFAULT_GRPC_PORT, help="gRPC port (default 8001)")
+    p.add_argument("--metrics-port", type=int, default=wire.DEFAULT_METRICS_PORT,
+                   help="Prometheus metrics port (default 8002)")
+    p.add_argument("--model-name", default=wire.MODEL_NAME, help=f"model name (default {wire.MODEL_NAME})")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="generator device")
+    p.add_argument("--max-batch", type=int, default=64,
+                   help="most requests in one Triton batch, and streams in one batched step (default 64)")
+    p.add_argument("--max-wait-ms", type=float, default=2.0,
+                   help="how long Triton's batcher and the step batcher wait for more streams (default 2 ms)")
+    p.add_argument("--max-streams", type=int, default=None,
+                   help="open streams at most; a start beyond it is refused (default: no limit)")
+    p.add_argument("--idle-timeout-s", type=float, default=60.0,
+                   help="a stream idle this long is released (default 60 s)")
+    p.add_argument("--noise-seed", type=int, default=0, help="seed of the generated noise table (default 0)")
+    p.add_argument("--phase", choices=["upstream", "wrapped"], default="upstream", help="carried phase")
+    p.add_argument("--triton-log", help="Triton's own log file (default: a file in the temp folder, path printed)")
+    return p
+
+
+def open_table(args: argparse.Namespace) -> tuple[StreamingVocoder, StreamTable]:
+    from .sessions import open_vocoder
+
+    vocoder = open_vocoder(args.artifacts, device=args.device, noise_seed=args.noise_seed, phase=args.phase,
+                           batching=True, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
+                           max_streams=args.max_streams, idle_timeout_s=args.idle_timeout_s)
+    vocoder.warmup()
+    return vocoder, StreamTable(vocoder, workers=args.max_batch)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.max_batch < 1 or args.max_wait_ms < 0:
+        print("hift-serve: error: --max-batch must be >= 1 and --max-wait-ms >= 0", file=sys.stderr)
+        return 2
+    try:
+        from pytriton.triton import Triton, TritonConfig
+    except ImportError as exc:
+        print(f"hift-serve: error: PyTriton is not installed ({exc}); install the project with its [serve] extra: "
+              f"pip install -e \".[serve]\"", file=sys.stderr)
+        return 2
+    try:
+        vocoder, table = open_table(args)
+    except (ArtifactError, NoiseTableError, OSError, ValueError) as exc:
+        print(f"hift-serve: error: {exc}", file=sys.stderr)
+        return 2
+    shared_libpython_env()
+    logging.getLogger("pytriton").setLevel(logging.WARNING)
+    log_file = Path(args.triton_log or Path(tempfile.gettempdir()) / f"hift-serve-{os.getpid()}.triton.log")
+    config = TritonConfig(http_address=args.host, http_port=args.http_port, grpc_address=args.host,
+                          grpc_port=args.grpc_port, metrics_address=args.host, metrics_port=args.metrics_port,
+                          log_file=log_file, log_verbose=0, allow_gpu_metrics=nvidia_driver_present())
+    # SIGTERM (a service manager, a test) stops the server the way Ctrl-C does.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    constants = vocoder.constants
+    try:
+        with Triton(config=config) as triton:
+            bind(triton, table, in_channels=constants.in_channels, sample_rate=constants.sample_rate,
+                 max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, model_name=args.model_name)
+            print(f"hift-serve: model {args.model_name!r} ready (generator on {vocoder.backend.name}): "
+                  f"gRPC {args.host}:{args.grpc_port}, HTTP {args.host}:{args.http_port}, metrics "
+                  f"http://{args.host}:{args.metrics_port}/metrics; Triton log {log_file}", flush=True)
+            triton.serve()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        table.close()
+    print("hift-serve: stopped", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

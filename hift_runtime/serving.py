@@ -1,0 +1,144 @@
+"""What a server does with a batch of chunk requests, apart from the server that carries them (PyTriton in
+:mod:`hift_runtime.server`): a table of open streams keyed by stream id over one :class:`StreamingVocoder`.
+
+A request names its stream, carries a mel chunk and two flags: ``start`` opens the stream (the chunk is its first),
+``end`` closes it after the chunk (the reply then holds the held-back tail too). The requests of one batch run
+concurrently, one thread per stream, so the vocoder's batching backend turns them into batched steps; the requests of
+one stream run in the order they came. A refused request (unknown stream, a chunk after end, a bad mel, too many open
+streams) gets its own error message and leaves every stream's state as it was; the others in its batch are served.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .streaming import MelError, OverloadError, StreamError, StreamingVocoder, VocoderStream, validate_mel
+
+log = logging.getLogger("hift_runtime.serving")
+# Ids of closed streams remembered, so a late chunk is told "ended" or "expired" rather than "unknown".
+_CLOSED_MEMORY = 65536
+
+
+@dataclass(frozen=True)
+class ChunkRequest:
+    """One chunk of one stream: ``mel [C, T]`` (or ``[1, C, T]``) natural-log mel frames."""
+
+    stream_id: str
+    mel: np.ndarray
+    start: bool = False
+    end: bool = False
+
+
+@dataclass(frozen=True)
+class ChunkReply:
+    """The audio this chunk released (``error`` empty), or why the request was refused (``audio`` empty)."""
+
+    audio: np.ndarray
+    error: str = ""
+
+
+_EMPTY = np.zeros(0, np.float32)
+
+
+class StreamTable:
+    """Open streams by id over one vocoder; :meth:`handle` serves a batch of requests."""
+
+    def __init__(self, vocoder: StreamingVocoder, workers: int = 64) -> None:
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        self.vocoder = vocoder
+        self._streams: dict[str, VocoderStream] = {}
+        self._closed: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="hift-stream")
+
+    @property
+    def open_streams(self) -> int:
+        return len(self._streams)
+
+    def handle(self, requests: Sequence[ChunkRequest]) -> list[ChunkReply]:
+        """Serve one batch: one reply per request, in order."""
+        self._expire_idle()
+        order: dict[str, list[int]] = {}
+        for i, request in enumerate(requests):
+            order.setdefault(request.stream_id, []).append(i)
+        replies: list[ChunkReply] = [ChunkReply(_EMPTY)] * len(requests)
+        jobs = {self._pool.submit(self._serve_in_order, [requests[i] for i in idx]): idx for idx in order.values()}
+        for job, idx in jobs.items():
+            for i, reply in zip(idx, job.result()):
+                replies[i] = reply
+        return replies
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    # ---- internals ------------------------------------------------------------------------------------------------
+    def _serve_in_order(self, requests: list[ChunkRequest]) -> list[ChunkReply]:
+        return [self._serve(r) for r in requests]
+
+    def _serve(self, request: ChunkRequest) -> ChunkReply:
+        sid = request.stream_id
+        try:
+            if request.start:  # a refused first chunk opens nothing (and takes no slot)
+                validate_mel(request.mel, self.vocoder.constants.in_channels)
+            stream = self._open(sid) if request.start else self._find(sid)
+            try:
+                audio = stream.push(request.mel)
+                if request.end:
+                    audio = np.concatenate([audio, stream.finish()])
+            except Exception:
+                if request.start:  # the stream was never there: the client may start it again
+                    self._forget(sid, None)
+                raise
+            if request.end:
+                self._forget(sid, "ended (its last request had end=true); start a new stream")
+            return ChunkReply(audio)
+        except (MelError, StreamError, OverloadError) as exc:
+            return ChunkReply(_EMPTY, f"stream {sid!r}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - a backend failure: this request fails, the server goes on
+            log.exception("stream %r: request failed", sid)
+            return ChunkReply(_EMPTY, f"stream {sid!r}: internal error: {type(exc).__name__}: {exc}")
+
+    def _open(self, sid: str) -> VocoderStream:
+        with self._lock:
+            if sid in self._streams:
+                raise StreamError("start=true for a stream id that is open; end it first or use a new id")
+            stream = self.vocoder.stream()  # OverloadError at max_streams
+            self._streams[sid] = stream
+            self._closed.pop(sid, None)
+            return stream
+
+    def _find(self, sid: str) -> VocoderStream:
+        with self._lock:
+            stream = self._streams.get(sid)
+            if stream is not None:
+                return stream
+            why = self._closed.get(sid)
+        if why is not None:
+            raise StreamError(f"the stream {why}")
+        raise StreamError("unknown stream id: send its first chunk with start=true")
+
+    def _forget(self, sid: str, why: str | None) -> None:
+        with self._lock:
+            self._streams.pop(sid, None)
+            if why is not None:
+                self._closed[sid] = why
+                while len(self._closed) > _CLOSED_MEMORY:
+                    self._closed.popitem(last=False)
+
+    def _expire_idle(self) -> None:
+        if self.vocoder.idle_timeout_s is None:
+            return
+        self.vocoder.reap()  # streams also expire when another one opens: look at every stream, not the count
+        with self._lock:
+            expired = [sid for sid, s in self._streams.items() if s.expired]
+        for sid in expired:
+            self._forget(sid, f"expired after {self.vocoder.idle_timeout_s} s idle and its state was released; "
+                              f"start a new stream")

@@ -1,0 +1,26 @@
+"""The streaming endpoint's wire contract, shared by ``hift-serve`` and its client (no server imports here).
+
+One request = one chunk of one stream (Triton batch axis first, batch size 1 per request):
+
+* ``stream_id`` BYTES ``[1]``: the stream's id (any UTF-8 string, unique among open streams);
+* ``mel`` FP32 ``[80, T]``, ``T >= 1``: natural-log mel frames (PyTriton cannot carry a zero-length tensor, so the
+  ``end`` flag travels with the last chunk);
+* ``start`` BOOL ``[1]``: this chunk opens the stream; ``end`` BOOL ``[1]``: the stream ends after it.
+
+Reply: ``audio`` FP32 ``[N]`` whose first ``samples`` (INT64 ``[1]``) values are the audio this chunk released (an
+empty release comes back as one padding sample with ``samples = 0``), ``sample_rate`` INT32 ``[1]``, and ``error``
+BYTES ``[1]``: empty, or why the request was refused (the runtime's message; every stream's state is unchanged).
+Refusals travel in ``error`` because a Python-backend model can only fail a whole batch, which would fail the other
+streams' requests batched with it; the client raises them as :class:`ServerError`.
+"""
+
+from __future__ import annotations
+
+MODEL_NAME = "hift_vocoder"
+STREAM_ID, MEL, START, END = "stream_id", "mel", "start", "end"
+AUDIO, SAMPLES, SAMPLE_RATE, ERROR = "audio", "samples", "sample_rate", "error"
+DEFAULT_HTTP_PORT, DEFAULT_GRPC_PORT, DEFAULT_METRICS_PORT = 8000, 8001, 8002
+
+
+class ServerError(RuntimeError):
+    """The server refused a request (its message says why) or could not be reached."""

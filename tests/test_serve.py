@@ -1,0 +1,240 @@
+"""The streaming endpoint: the stream table (any server's logic, no Triton) and a live ``hift-serve`` on localhost
+(Triton through PyTriton, reduced config) driven by the client and by ``hift-vocode --server``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+from hift_runtime.serving import ChunkRequest, StreamTable
+
+from .conftest import ROOT, max_abs
+
+# Streamed vs one offline pass is exact to float32 rounding (<= 6e-7 over every schedule, test_streaming.py); the
+# server adds no arithmetic, so the same bound holds through it.
+SERVED_TOLERANCE = 1e-6
+
+
+def _mel(rng: np.random.Generator, frames: int) -> np.ndarray:
+    return (rng.standard_normal((80, frames)) - 4.0).astype(np.float32)
+
+
+def _chunks(mel: np.ndarray, size: int) -> list[np.ndarray]:
+    return [mel[:, i:i + size] for i in range(0, mel.shape[1], size)]
+
+
+@pytest.fixture(scope="module")
+def vocoder(small_artifacts):
+    from hift_runtime import open_vocoder
+
+    return open_vocoder(small_artifacts.out, device="cpu", batching=True, max_streams=6, idle_timeout_s=30)
+
+
+# ---- the stream table ---------------------------------------------------------------------------------------------
+def test_table_serves_interleaved_streams_like_offline_and_refuses_bad_requests_alone(vocoder):
+    rng = np.random.default_rng(3)
+    table = StreamTable(vocoder, workers=8)
+    mels = {f"s{i}": _mel(rng, 30 + 11 * i) for i in range(3)}
+    chunks = {sid: _chunks(m, 16) for sid, m in mels.items()}
+    audio: dict[str, list[np.ndarray]] = {sid: [] for sid in mels}
+    for step in range(max(len(c) for c in chunks.values())):
+        batch = [ChunkRequest(sid, c[step], start=step == 0, end=step == len(c) - 1)
+                 for sid, c in chunks.items() if step < len(c)]
+        # Refused requests ride in the same batch: an unknown id, and a NaN chunk of an open stream.
+        batch += [ChunkRequest("ghost", mels["s0"][:, :4]), ChunkRequest("s2", np.full((80, 3), np.nan, np.float32))]
+        replies = table.handle(batch)
+        for request, reply in zip(batch[:-2], replies):
+            assert reply.error == "", reply.error
+            audio[request.stream_id].append(reply.audio)
+        assert "unknown stream id" in replies[-2].error and replies[-2].audio.size == 0
+        assert ("non-finite" if step < len(chunks["s2"]) - 1 else "ended") in replies[-1].error
+    for sid, mel in mels.items():
+        assert max_abs(np.concatenate(audio[sid]), vocoder.vocode(mel)) <= SERVED_TOLERANCE
+    # A chunk after end is told so; the table forgot the ended streams.
+    reply = table.handle([ChunkRequest("s0", mels["s0"][:, :4])])[0]
+    assert "ended" in reply.error and "start a new stream" in reply.error
+    assert table.open_streams == 0
+    table.close()
+
+
+def test_table_keeps_each_streams_order_within_one_batch(vocoder):
+    rng = np.random.default_rng(4)
+    mel = _mel(rng, 40)
+    table = StreamTable(vocoder, workers=4)
+    parts = _chunks(mel, 10)
+    replies = table.handle([ChunkRequest("a", p, start=i == 0, end=i == len(parts) - 1) for i, p in enumerate(parts)])
+    assert all(r.error == "" for r in replies)
+    assert max_abs(np.concatenate([r.audio for r in replies]), vocoder.vocode(mel)) <= SERVED_TOLERANCE
+    table.close()
+
+
+def test_table_refuses_starts_over_the_limit_and_a_refused_first_chunk_opens_nothing(vocoder):
+    table = StreamTable(vocoder, workers=8)
+    mel = np.full((80, 3), -4.0, np.float32)
+    assert "channels" in table.handle([ChunkRequest("new", mel[:70], start=True)])[0].error
+    assert table.open_streams == 0 and vocoder.open_streams == 0  # the refused first chunk took no slot
+    replies = table.handle([ChunkRequest(f"o{i}", mel, start=True) for i in range(8)])
+    refused = [r.error for r in replies if r.error]
+    assert len(refused) == 8 - vocoder.max_streams and all("max_streams" in e for e in refused)
+    assert "is open" in table.handle([ChunkRequest("o0", mel, start=True)])[0].error
+    assert table.open_streams == vocoder.max_streams
+    table.handle([ChunkRequest(f"o{i}", mel, end=True) for i in range(8)])
+    assert table.open_streams == 0
+    table.close()
+
+
+def test_table_expires_idle_streams_with_a_clear_message(small_artifacts):
+    from hift_runtime import open_vocoder
+
+    vocoder = open_vocoder(small_artifacts.out, device="cpu", idle_timeout_s=0.05)
+    table = StreamTable(vocoder, workers=2)
+    mel = np.full((80, 8), -4.0, np.float32)
+    assert table.handle([ChunkRequest("idle", mel, start=True)])[0].error == ""
+    time.sleep(0.1)
+    reply = table.handle([ChunkRequest("idle", mel)])[0]
+    assert "expired" in reply.error and table.open_streams == 0
+    table.close()
+
+
+# ---- the live server ------------------------------------------------------------------------------------------------
+def _free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+@pytest.fixture(scope="module")
+def server(small_artifacts, tmp_path_factory):
+    pytest.importorskip("pytriton", reason="hift-serve needs the [serve] extra (nvidia-pytriton)")
+    http, grpc, metrics = _free_ports(3)
+    log = tmp_path_factory.mktemp("serve") / "hift-serve.log"
+    # A long batcher wait so the 8 test clients are seen in shared batches on a busy 2-core machine.
+    cmd = [sys.executable, "-m", "hift_runtime.server", "--artifacts", str(small_artifacts.out), "--device", "cpu",
+           "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--max-batch", "8",
+           "--max-wait-ms", "20", "--triton-log", str(log.with_suffix(".triton.log"))]
+    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}  # hift-serve must set it itself
+    with open(log, "w") as out:
+        process = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while "ready" not in log.read_text():
+            assert process.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "hift-serve did not become ready in 120 s: " + log.read_text()[-3000:]
+            time.sleep(0.2)
+        yield {"grpc": f"127.0.0.1:{grpc}", "http": f"http://127.0.0.1:{http}",
+               "metrics": f"http://127.0.0.1:{metrics}/metrics", "process": process, "log": log}
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def _metric(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") and 'model="hift_vocoder"' in line)
+
+
+def test_live_server_streams_8_concurrent_utterances_exactly_in_shared_batches(server, small_artifacts, vocoder):
+    from hift_runtime.client import ServerClient
+
+    rng = np.random.default_rng(8)
+    mels = [_mel(rng, 40 + 9 * i) for i in range(8)]
+    results: dict[int, np.ndarray] = {}
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(8)
+
+    def run(i: int) -> None:
+        try:
+            client = ServerClient(server["grpc"] if i % 2 else server["http"])
+            stream = client.stream(f"utt-{i}")
+            parts = _chunks(mels[i], 12)
+            barrier.wait()
+            results[i] = np.concatenate([stream.push(p, end=k == len(parts) - 1) for k, p in enumerate(parts)])
+            client.close()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    for i, mel in enumerate(mels):
+        assert max_abs(results[i], vocoder.vocode(mel)) <= SERVED_TOLERANCE
+    metrics = urllib.request.urlopen(server["metrics"], timeout=10).read().decode()
+    requests, executions = _metric(metrics, "nv_inference_count"), _metric(metrics, "nv_inference_exec_count")
+    assert requests >= sum(len(_chunks(m, 12)) for m in mels)
+    assert executions < requests, f"Triton formed no batch larger than 1 ({requests} requests, {executions} runs)"
+
+
+def test_live_server_refuses_bad_requests_clearly_and_keeps_serving(server, vocoder):
+    from hift_runtime.client import ServerClient
+    from hift_runtime.wire import ServerError
+
+    rng = np.random.default_rng(9)
+    client = ServerClient(server["grpc"])
+    good, mel = client.stream("good"), _mel(rng, 36)
+    pieces = [good.push(mel[:, :12])]
+    with pytest.raises(ServerError, match="unknown stream id: send its first chunk with start=true"):
+        client.infer("never-started", mel[:, :5], start=False, end=False)
+    with pytest.raises(ServerError, match="non-finite values"):
+        client.infer("good", np.full((80, 4), np.inf, np.float32), start=False, end=False)
+    with pytest.raises(ServerError, match="is open"):
+        client.infer("good", mel[:, :4], start=True, end=False)
+    with pytest.raises(ServerError, match=r"\[80, T\] with T >= 1"):  # never sent: PyTriton cannot carry T = 0
+        client.infer("good", mel[:, :0], start=False, end=False)
+    pieces += [good.push(mel[:, 12:24]), good.push(mel[:, 24:], end=True)]
+    assert max_abs(np.concatenate(pieces), vocoder.vocode(mel)) <= SERVED_TOLERANCE
+    with pytest.raises(ServerError, match="ended"):
+        client.infer("good", mel[:, :4], start=False, end=False)
+    client.close()
+    with pytest.raises(ServerError, match="cannot reach a server"):
+        ServerClient(f"127.0.0.1:{_free_ports(1)[0]}")
+
+
+def test_hift_vocode_round_trip_through_the_server(server, small_artifacts, tmp_path):
+    rng = np.random.default_rng(10)
+    mel = _mel(rng, 53)
+    np.save(tmp_path / "in.npy", mel)
+    run = lambda *extra: subprocess.run(  # noqa: E731
+        [sys.executable, "-m", "hift_runtime.cli", "--server", server["grpc"], "--mel", str(tmp_path / "in.npy"),
+         "--out", str(tmp_path / "out.npy"), "--chunks", "10,20", *extra], cwd=ROOT, capture_output=True, text=True,
+        timeout=300)
+    done = run()
+    assert done.returncode == 0, done.stderr
+    assert "streamed 4 chunks via" in done.stdout
+    local = subprocess.run([sys.executable, "-m", "hift_runtime.cli", "--artifacts", str(small_artifacts.out), "--mel",
+                            str(tmp_path / "in.npy"), "--out", str(tmp_path / "local.npy"), "--chunks", "10,20",
+                            "--device", "cpu", "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert local.returncode == 0, local.stderr
+    assert max_abs(np.load(tmp_path / "out.npy"), np.load(tmp_path / "local.npy")) <= SERVED_TOLERANCE
+    refused = run("--phase", "wrapped")
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "server's settings" in refused.stderr
+
+
+def test_server_stops_cleanly_on_sigterm(server):
+    process = server["process"]
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=60) == 0
+    assert "hift-serve: stopped" in server["log"].read_text()
+    port = int(server["grpc"].rsplit(":", 1)[1])
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", port)) != 0  # nothing listens any more
