@@ -8,7 +8,9 @@ Per K: push latency p50/p95/p99 (from each push's due time to its return, so fal
 latency, throughput (audio seconds produced per wall second), GPU memory. The ramp of a config stops once p95 passes
 240 ms (half a chunk). Configs: ``batched`` (the default on the GPU: cross-stream batching + CUDA graphs per step size
 and batch), ``batched_tf32`` (the same with TF32), ``per_stream`` (no batching: each stream's step is its own B = 1
-call, the landed path's shape).
+call, the landed path's shape), ``served`` (the ``batched`` runtime behind ``hift-serve``, started by this script on
+free localhost ports; each stream is a gRPC client stream, its last chunk carrying ``end``; the Triton batcher and
+the step batcher wait ``--served-wait-ms``).
 """
 
 from __future__ import annotations
@@ -39,6 +41,64 @@ def gpu_memory_mb() -> float:
         return float("nan")
 
 
+class _LocalStream:
+    """An in-process stream with the remote stream's call: ``push(chunk, end)``."""
+
+    def __init__(self, vocoder) -> None:
+        self._s = vocoder.stream()
+
+    def push(self, mel: np.ndarray, end: bool = False) -> np.ndarray:
+        out = self._s.push(mel)
+        return np.concatenate([out, self._s.finish()]) if end else out
+
+
+class _Served:
+    """``hift-serve`` in a child process and a few shared gRPC clients (a channel serves many threads)."""
+
+    def __init__(self, artifacts: str, device: str, max_batch: int, wait_ms: float, log: Path) -> None:
+        import socket
+        import sys
+
+        from hift_runtime.client import ServerClient
+
+        ports = []
+        for _ in range(3):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                ports.append(s.getsockname()[1])
+        self.log = log
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "hift_runtime.server", "--artifacts", artifacts, "--device", device,
+             "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
+             "--max-batch", str(max_batch), "--max-wait-ms", str(wait_ms)],
+            stdout=log.open("w"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 300
+        while "ready" not in log.read_text():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("hift-serve did not start: " + log.read_text()[-2000:])
+            time.sleep(0.5)
+        self.metrics_url = f"http://127.0.0.1:{ports[2]}/metrics"
+        self.clients = [ServerClient(f"127.0.0.1:{ports[1]}") for _ in range(16)]
+        self.backend = None
+
+    def stream(self, i: int):
+        return self.clients[i % len(self.clients)].stream()
+
+    def batches(self) -> dict[str, float]:
+        import urllib.request
+
+        text = urllib.request.urlopen(self.metrics_url, timeout=10).read().decode()
+        get = lambda name: sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines()  # noqa: E731
+                               if x.startswith(name + "{"))
+        return {"requests": get("nv_inference_count"), "executions": get("nv_inference_exec_count")}
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+        self.process.terminate()
+        self.process.wait(timeout=60)
+
+
 def run_k(vocoder, k: int, seconds: float) -> dict[str, Any]:
     frames = int(seconds * 50)
     mel = synthetic_mel(frames)
@@ -52,18 +112,17 @@ def run_k(vocoder, k: int, seconds: float) -> dict[str, Any]:
         t0 = start + PERIOD_S * i / k  # arrivals spread over one chunk period
         try:
             time.sleep(max(0.0, t0 - time.monotonic()))
-            s = vocoder.stream()
+            s = vocoder.stream(i) if isinstance(vocoder, _Served) else _LocalStream(vocoder)
             mine, head = [], None
             for j, pos in enumerate(range(0, frames, CHUNK)):
                 due = t0 + j * PERIOD_S
                 time.sleep(max(0.0, due - time.monotonic()))
-                s.push(mel[:, pos:pos + CHUNK])
+                s.push(mel[:, pos:pos + CHUNK], end=pos + CHUNK >= frames)  # the last push ends the stream
                 took = time.monotonic() - due
                 if j == 0:
                     head = took
                 else:
                     mine.append(took)
-            s.finish()
             with lock:
                 lat.extend(mine)
                 first.append(head)
@@ -80,6 +139,7 @@ def run_k(vocoder, k: int, seconds: float) -> dict[str, Any]:
     a = np.asarray(lat) * 1e3 if lat else np.asarray([np.nan])
     f = np.asarray(first) * 1e3 if first else np.asarray([np.nan])
     stats = getattr(vocoder.backend, "stats", None)
+    served = vocoder.batches() if isinstance(vocoder, _Served) else None
     return {"k": k, "push_p50_ms": round(float(np.percentile(a, 50)), 2),
             "push_p95_ms": round(float(np.percentile(a, 95)), 2), "push_p99_ms": round(float(np.percentile(a, 99)), 2),
             "first_chunk_p50_ms": round(float(np.percentile(f, 50)), 2),
@@ -87,6 +147,7 @@ def run_k(vocoder, k: int, seconds: float) -> dict[str, Any]:
             "throughput_audio_s_per_s": round(len(first) * frames * 480 / 24000 / wall, 1),
             "errors": len(errors), "first_error": errors[0] if errors else None,
             "gpu_memory_mb": gpu_memory_mb(), "max_batch": getattr(stats, "max_batch", 1),
+            **({"triton_total": served} if served else {}),
             **({"each_push_ms": [round(x, 1) for x in a.tolist()]} if k == 1 else {})}
 
 
@@ -99,6 +160,8 @@ def main() -> None:
     p.add_argument("--configs", default="batched,batched_tf32,per_stream")
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (to try the script)")
     p.add_argument("--warm-stream", action="store_true", help="run one stream after warmup() before measuring")
+    p.add_argument("--served-max-batch", type=int, default=256, help="hift-serve --max-batch (served config)")
+    p.add_argument("--served-wait-ms", type=float, default=2.0, help="hift-serve --max-wait-ms (served config)")
     args = p.parse_args()
     import onnxruntime as ort
 
@@ -113,13 +176,17 @@ def main() -> None:
                               "configs": {}}
     ks = [int(x) for x in args.ks.split(",")]
     for name in args.configs.split(","):
-        options = {"batched": (CudaOptions(), True), "batched_tf32": (CudaOptions(use_tf32=True), True),
-                   "per_stream": (CudaOptions(), False),
-                   "batched_f0_cpu": (CudaOptions(f0_on_cuda=False), True),
-                   "per_stream_f0_cpu": (CudaOptions(f0_on_cuda=False), False)}[name]
         t0 = time.perf_counter()
-        vocoder = open_vocoder(args.artifacts, device=args.device, cuda=options[0], batching=options[1])
-        vocoder.warmup()
+        if name == "served":
+            vocoder = _Served(args.artifacts, args.device, args.served_max_batch, args.served_wait_ms,
+                              Path(args.out).with_suffix(".served.log"))
+        else:
+            options = {"batched": (CudaOptions(), True), "batched_tf32": (CudaOptions(use_tf32=True), True),
+                       "per_stream": (CudaOptions(), False),
+                       "batched_f0_cpu": (CudaOptions(f0_on_cuda=False), True),
+                       "per_stream_f0_cpu": (CudaOptions(f0_on_cuda=False), False)}[name]
+            vocoder = open_vocoder(args.artifacts, device=args.device, cuda=options[0], batching=options[1])
+            vocoder.warmup()
         warm_stream_s = None
         if args.warm_stream:
             # One stream through every shape a stream meets, after warmup(): what warmup() leaves unprepared shows
@@ -140,7 +207,7 @@ def main() -> None:
                 break
         kept = [r["k"] for r in rows if r["push_p95_ms"] <= P95_BOUND_MS and not r["errors"]]
         result["configs"][name]["max_realtime_streams_at_p95_bound"] = max(kept, default=0)
-        close = getattr(vocoder.backend, "close", None)
+        close = vocoder.close if isinstance(vocoder, _Served) else getattr(vocoder.backend, "close", None)
         if close:
             close()
         del vocoder
