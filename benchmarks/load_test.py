@@ -16,6 +16,7 @@ the step batcher wait ``--served-wait-ms``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import subprocess
@@ -147,6 +148,8 @@ def run_k(vocoder, k: int, seconds: float) -> dict[str, Any]:
             "throughput_audio_s_per_s": round(len(first) * frames * 480 / 24000 / wall, 1),
             "errors": len(errors), "first_error": errors[0] if errors else None,
             "gpu_memory_mb": gpu_memory_mb(), "max_batch": getattr(stats, "max_batch", 1),
+            **({"batcher_so_far": {"busy_s": round(stats.busy_s, 2), "calls_batches_by_kind": stats.by_kind}}
+               if stats else {}),
             **({"triton_total": served} if served else {}),
             **({"each_push_ms": [round(x, 1) for x in a.tolist()]} if k == 1 else {})}
 
@@ -160,6 +163,9 @@ def main() -> None:
     p.add_argument("--configs", default="batched,batched_tf32,per_stream")
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (to try the script)")
     p.add_argument("--warm-stream", action="store_true", help="run one stream after warmup() before measuring")
+    p.add_argument("--switch-interval-ms", type=float, default=None,
+                   help="Python's GIL switch interval during the run (default: Python's 5 ms)")
+    p.add_argument("--slots", type=int, default=None, help="device cache slots (CudaOptions.slots)")
     p.add_argument("--served-max-batch", type=int, default=256, help="hift-serve --max-batch (served config)")
     p.add_argument("--served-wait-ms", type=float, default=2.0, help="hift-serve --max-wait-ms (served config)")
     args = p.parse_args()
@@ -175,6 +181,10 @@ def main() -> None:
                               "benchmarks/load_test.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items()),
                               "configs": {}}
     ks = [int(x) for x in args.ks.split(",")]
+    if args.switch_interval_ms:
+        import sys
+
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
     for name in args.configs.split(","):
         t0 = time.perf_counter()
         if name == "served":
@@ -185,7 +195,8 @@ def main() -> None:
                        "per_stream": (CudaOptions(), False),
                        "batched_f0_cpu": (CudaOptions(f0_on_cuda=False), True),
                        "per_stream_f0_cpu": (CudaOptions(f0_on_cuda=False), False)}[name]
-            vocoder = open_vocoder(args.artifacts, device=args.device, cuda=options[0], batching=options[1])
+            cuda = options[0] if args.slots is None else dataclasses.replace(options[0], slots=args.slots)
+            vocoder = open_vocoder(args.artifacts, device=args.device, cuda=cuda, batching=options[1])
             vocoder.warmup()
         warm_stream_s = None
         if args.warm_stream:

@@ -14,13 +14,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from hift_runtime.manifest import F0_STEP, FORMAT_VERSION, GENERATOR_STEP, GENERATOR_STEP_FINAL, GENERATOR_WEIGHTS, \
-    METADATA_PREFIX
+from hift_runtime.manifest import (F0_STEP, FORMAT_VERSION, GENERATOR_STEP, GENERATOR_STEP_FINAL,
+                                   GENERATOR_STEP_FINAL_SLOTS, GENERATOR_STEP_SLOTS, GENERATOR_WEIGHTS, METADATA_PREFIX)
 
 from .config import HiFTConfig
 from .graphs import (F0_STEP_INPUTS, F0_STEP_OUTPUTS, GENERATOR_STEP_INPUTS, GENERATOR_STEP_OUTPUTS, NEXT_PREFIX,
                      F0StepGraph, GeneratorStepGraph, cache_io_names)
 from .model import HiFT
+from .slots import slotted_model
 from .step import f0_cache_layout, generator_cache_layout
 from .targets import ARTIFACT_FILES, ExportError, example_f0_step_inputs, example_generator_step_inputs
 
@@ -31,6 +32,8 @@ CUDA_OP_ALLOWLIST = frozenset({
     "Gather", "Greater", "LeakyRelu", "MatMul", "Min", "Mul", "Pow", "Reshape", "Shape", "Sin", "Slice", "Squeeze",
     "Sub", "Tanh", "Transpose", "Unsqueeze", "Where", "Neg", "Identity", "Constant", "ConstantOfShape",
 })
+# The slot form adds reading and writing the pool rows (hift_export/slots.py).
+SLOT_OP_ALLOWLIST = CUDA_OP_ALLOWLIST | {"ScatterND"}
 F0_OP_ALLOWLIST = frozenset({"Abs", "Add", "Conv", "Elu", "Gemm", "MatMul", "Pad", "Squeeze", "Transpose",
                              "Unsqueeze", "Concat", "Slice", "Cast", "Shape", "Reshape", "Identity", "Constant",
                              "Gather", "Expand", "Mul", "ConstantOfShape", "Exp", "Greater", "Where", "Sub"})
@@ -148,9 +151,13 @@ def save_with_shared_weights(models: dict[Path, Any], weights: Path, min_bytes: 
         onnx.save_model(model, str(path))
 
 
+GENERATOR_ROLES = (GENERATOR_STEP, GENERATOR_STEP_FINAL, GENERATOR_STEP_SLOTS, GENERATOR_STEP_FINAL_SLOTS)
+
+
 def export_onnx(hift: HiFT, staging: Path, opset: int, f0_dtype: str, step_contract: dict[str, Any],
                 log: Callable[[str], None]) -> dict[str, dict[str, Any]]:
-    """Write the three step graphs into ``staging``; return their manifest entries (without hashes)."""
+    """Write the step graphs (generator step and final step, plain and slot form; F0 step) into ``staging``; return
+    their manifest entries (without hashes)."""
     import onnx
 
     config = hift.config
@@ -178,6 +185,13 @@ def export_onnx(hift: HiFT, staging: Path, opset: int, f0_dtype: str, step_contr
                                             "execution_provider": "CUDAExecutionProvider"})
         protos[role] = model
         log(f"[onnx] {role}: exported {len(model.graph.node)} nodes in {time.perf_counter() - t0:.1f} s")
+    for role, base, final in ((GENERATOR_STEP_SLOTS, GENERATOR_STEP, False),
+                              (GENERATOR_STEP_FINAL_SLOTS, GENERATOR_STEP_FINAL, True)):
+        model = slotted_model(protos[base], gen_layout, final)  # before the weights go external: a full copy
+        check_ops(model, SLOT_OP_ALLOWLIST, role)
+        _set_metadata(model, role, config, {"final": final, "step": step_contract,
+                                            "execution_provider": "CUDAExecutionProvider"})
+        protos[role] = model
     t0 = time.perf_counter()
     f0_in, f0_out = cache_io_names(f0_layout)
     mel_frames = torch.export.Dim("mel_frames", min=config.f0_look_ahead + 1, max=_MAX_FRAMES)
@@ -191,24 +205,23 @@ def export_onnx(hift: HiFT, staging: Path, opset: int, f0_dtype: str, step_contr
                                               "execution_provider": "CPUExecutionProvider"})
     log(f"[onnx] {F0_STEP}: exported {len(f0_model.graph.node)} nodes in {time.perf_counter() - t0:.1f} s")
 
-    gen_paths = {staging / ARTIFACT_FILES[r]: protos[r] for r in (GENERATOR_STEP, GENERATOR_STEP_FINAL)}
+    gen_paths = {staging / ARTIFACT_FILES[r]: protos[r] for r in GENERATOR_ROLES}
     save_with_shared_weights(gen_paths, staging / ARTIFACT_FILES[GENERATOR_WEIGHTS])
     onnx.save_model(f0_model, str(staging / ARTIFACT_FILES[F0_STEP]))
     entries: dict[str, dict[str, Any]] = {}
-    for role, model, provider in ((GENERATOR_STEP, protos[GENERATOR_STEP], "CUDAExecutionProvider"),
-                                  (GENERATOR_STEP_FINAL, protos[GENERATOR_STEP_FINAL], "CUDAExecutionProvider"),
-                                  (F0_STEP, f0_model, "CPUExecutionProvider")):
+    for role, model, provider in ([(r, protos[r], "CUDAExecutionProvider") for r in GENERATOR_ROLES]
+                                  + [(F0_STEP, f0_model, "CPUExecutionProvider")]):
         path = staging / ARTIFACT_FILES[role]
         onnx.checker.check_model(str(path))
         entries[role] = {
             "file": path.name, "format": "onnx", "execution_provider": provider,
-            "final": role == GENERATOR_STEP_FINAL, "inputs": value_info(model.graph.input),
+            "final": role in (GENERATOR_STEP_FINAL, GENERATOR_STEP_FINAL_SLOTS), "inputs": value_info(model.graph.input),
             "outputs": value_info(model.graph.output), "nodes": len(model.graph.node), "op_types": op_types(model),
         }
         if role != F0_STEP:
             entries[role]["external_data"] = ARTIFACT_FILES[GENERATOR_WEIGHTS]
     entries[GENERATOR_WEIGHTS] = {"file": ARTIFACT_FILES[GENERATOR_WEIGHTS], "format": "onnx-external-data",
-                                  "shared_by": [GENERATOR_STEP, GENERATOR_STEP_FINAL]}
+                                  "shared_by": list(GENERATOR_ROLES)}
     log("[onnx] graphs checked (onnx.checker) and written")
     return entries
 

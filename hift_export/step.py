@@ -29,6 +29,7 @@ An **F0 step** over frames ``[k, k+c)`` takes ``mel [B, 80, c+3]`` (frames ``[k,
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -56,6 +57,8 @@ def step_contract(config: HiFTConfig, f0_dtype: str) -> dict[str, Any]:
         "f0_look_ahead_frames": config.f0_look_ahead,
         "generator_caches": generator_cache_layout(config),
         "f0_caches": f0_cache_layout(config, f0_dtype),
+        # The slot form's pool row: every generator cache of one stream, flattened in layout order (float32).
+        "pool_row_floats": int(sum(math.prod(e["shape"]) for e in generator_cache_layout(config))),
     }
 
 

@@ -8,7 +8,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from hift_runtime.manifest import F0_STEP, GENERATOR_STEP, GENERATOR_STEP_FINAL, GENERATOR_WEIGHTS
+from hift_runtime.manifest import (F0_STEP, GENERATOR_STEP, GENERATOR_STEP_FINAL, GENERATOR_STEP_FINAL_SLOTS,
+                                   GENERATOR_STEP_SLOTS, GENERATOR_WEIGHTS)
 from hift_runtime.metrics import max_abs
 
 from .config import HiFTConfig
@@ -19,6 +20,8 @@ from .step import DTYPES, f0_cache_layout, generator_cache_layout
 ARTIFACT_FILES = {
     GENERATOR_STEP: "hift_generator_step.onnx",
     GENERATOR_STEP_FINAL: "hift_generator_step_final.onnx",
+    GENERATOR_STEP_SLOTS: "hift_generator_step_slots.onnx",
+    GENERATOR_STEP_FINAL_SLOTS: "hift_generator_step_final_slots.onnx",
     GENERATOR_WEIGHTS: "hift_generator.weights",
     F0_STEP: "hift_f0_step.onnx",
     "ts_" + GENERATOR_STEP: "hift_generator_step.ts",

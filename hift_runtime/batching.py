@@ -3,8 +3,9 @@
 Each stream's bookkeeping runs in its caller's thread, unchanged (:mod:`hift_runtime.streaming`); its backend calls
 come here. A call waits, at most ``max_wait_s``, for calls of the same kind and shape from other streams (the same
 step size: streams at different positions batch together, their caches stacked row by row), then one worker thread
-runs them as one call of the inner backend and hands each caller its row. A stream's final step runs on its own. A lone stream never waits: the worker only
-waits while other streams are inside a push and may still join.
+runs them as one call of the inner backend and hands each caller its row. Final steps batch too (after split pushes
+they all cover the last 4 frames, so streams that end together share one call). A lone stream never waits: the worker
+only waits while other streams are inside a push and may still join.
 
 Isolation: a stream's input is validated in its own thread before it reaches the batch, so a bad chunk is refused for
 that stream only; an error inside a batched call is raised in every stream of that batch (their state is unchanged:
@@ -41,14 +42,23 @@ class BatchStats:
     calls: int = 0
     batches: int = 0
     max_batch: int = 0
+    busy_s: float = 0.0  # time inside the inner backend's calls (the worker's utilisation over a run)
+    by_kind: dict[str, list[float]] = field(default_factory=dict)  # kind -> [calls, batches, busy seconds]
 
 
-def _stack(rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+def _stack(rows: list[Any]) -> Any:
+    """Host caches (dicts of arrays) stacked row by row; opaque per-stream handles (device slots) as a list."""
+    if not isinstance(rows[0], dict):
+        return list(rows)
     return {k: np.concatenate([r[k] for r in rows], axis=0) for k in rows[0]}
 
 
-def _row(caches: dict[str, np.ndarray] | None, i: int) -> dict[str, np.ndarray] | None:
-    return None if caches is None else {k: v[i:i + 1] for k, v in caches.items()}
+def _row(caches: Any, i: int) -> Any:
+    if caches is None:
+        return None
+    if not isinstance(caches, dict):
+        return caches[i]
+    return {k: v[i:i + 1] for k, v in caches.items()}
 
 
 class BatchingBackend:
@@ -70,8 +80,7 @@ class BatchingBackend:
 
     # ---- the backend interface ---------------------------------------------------------------------------------
     def new_caches(self, kind: str, batch: int = 1) -> Any:
-        caches = self.inner.new_caches(kind, batch)
-        return {k: np.asarray(v) for k, v in caches.items()}
+        return self.inner.new_caches(kind, batch)
 
     def f0_step(self, mel: np.ndarray, caches: dict[str, np.ndarray]) -> tuple[np.ndarray, Any]:
         return self._submit(("f0", mel.shape[2]), (mel, caches))
@@ -79,9 +88,8 @@ class BatchingBackend:
     def generator_step(self, mel: np.ndarray, f0: np.ndarray, noise: np.ndarray, phase_in: np.ndarray,
                        first: np.ndarray, caches: dict[str, np.ndarray],
                        final: bool) -> tuple[np.ndarray, np.ndarray, Any]:
-        if final:  # once per stream, shapes of its own: batching it would only make the others wait
-            return self.inner.generator_step(mel, f0, noise, phase_in, first, caches, final)
-        return self._submit(("generator", mel.shape[2]), (mel, f0, noise, phase_in, first, caches))
+        return self._submit(("final" if final else "generator", mel.shape[2]),
+                            (mel, f0, noise, phase_in, first, caches))
 
     def warmup(self, step_sizes: tuple[int, ...] | None) -> None:
         prepare = getattr(self.inner, "warmup", None)
@@ -129,19 +137,32 @@ class BatchingBackend:
 
     def _run(self) -> None:
         while (group := self._take()) is not None:
-            try:
-                results = self._call(group)
-            except BaseException as exc:  # noqa: BLE001 - handed to every caller of this batch
-                for c in group:
-                    c.error = exc
-                    c.done.set()
-                continue
-            self.stats.calls += len(group)
-            self.stats.batches += 1
-            self.stats.max_batch = max(self.stats.max_batch, len(group))
-            for c, r in zip(group, results):
-                c.result = r
+            self._serve(group)
+            del group  # not held while waiting for the next batch: its streams' caches (device slots) go back at once
+
+    def _serve(self, group: list[_Call]) -> None:
+        started = time.perf_counter()
+        try:
+            results = self._call(group)
+        except BaseException as exc:  # noqa: BLE001 - handed to every caller of this batch
+            for c in group:
+                c.error = exc
                 c.done.set()
+            return
+        busy = time.perf_counter() - started
+        st = self.stats
+        st.busy_s += busy
+        st.calls += len(group)
+        st.batches += 1
+        st.max_batch = max(st.max_batch, len(group))
+        kind = st.by_kind.setdefault(group[0].key[0], [0, 0, 0.0])
+        kind[0] += len(group)
+        kind[1] += 1
+        kind[2] = round(kind[2] + busy, 4)
+        for c, r in zip(group, results):
+            c.result = r
+            c.args = ()
+            c.done.set()
 
     def _call(self, group: list[_Call]) -> list[Any]:
         if group[0].key[0] == "f0":
@@ -149,5 +170,6 @@ class BatchingBackend:
             f0, nxt = self.inner.f0_step(mel, _stack([c.args[1] for c in group]))
             return [(f0[i:i + 1], _row(nxt, i)) for i in range(len(group))]
         stacked = [np.concatenate([c.args[j] for c in group], axis=0) for j in range(5)]
-        audio, phase, nxt = self.inner.generator_step(*stacked, _stack([c.args[5] for c in group]), False)
+        audio, phase, nxt = self.inner.generator_step(*stacked, _stack([c.args[5] for c in group]),
+                                                      group[0].key[0] == "final")
         return [(audio[i:i + 1], phase[i:i + 1], _row(nxt, i)) for i in range(len(group))]

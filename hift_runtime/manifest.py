@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 MANIFEST_NAME = "manifest.json"
-FORMAT_VERSION = 2  # 2: stateful step graphs (1: bounded-window graphs)
+FORMAT_VERSION = 3  # 3: + the slot form of the generator steps (2: stateful step graphs; 1: bounded-window graphs)
 METADATA_PREFIX = "hift."
 
 # Roles of the artifacts (keys of manifest["artifacts"]).
@@ -23,8 +23,14 @@ GENERATOR_STEP = "generator_step"
 GENERATOR_STEP_FINAL = "generator_step_final"
 F0_STEP = "f0_step"
 GENERATOR_WEIGHTS = "generator_weights"
+# The same steps with the caches in a device-resident pool, one row per stream (hift_export/slots.py): the CUDA path.
+GENERATOR_STEP_SLOTS = "generator_step_slots"
+GENERATOR_STEP_FINAL_SLOTS = "generator_step_final_slots"
+SLOT_INPUTS = ("slots", "pool")  # the slot form's inputs beyond the step's own; the stream step also returns:
+POOL_OUTPUT = "pool_out"
 # What the ONNX Runtime backend loads, and so verifies at open time; TorchScript files are verified on request.
-RUNTIME_ROLES = (GENERATOR_STEP, GENERATOR_STEP_FINAL, GENERATOR_WEIGHTS, F0_STEP)
+RUNTIME_ROLES = (GENERATOR_STEP, GENERATOR_STEP_FINAL, GENERATOR_STEP_SLOTS, GENERATOR_STEP_FINAL_SLOTS,
+                 GENERATOR_WEIGHTS, F0_STEP)
 
 
 class ArtifactError(RuntimeError):

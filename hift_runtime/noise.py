@@ -16,6 +16,8 @@ Two sources:
 from __future__ import annotations
 
 import os
+import threading
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +38,12 @@ def _splitmix64_inplace(z: np.ndarray) -> None:
         z ^= z >> np.uint64(31)
 
 
+# Seeded rows are computed in blocks and the recent blocks kept: every stream reads the same rows at the same
+# positions, so concurrent streams (and each stream's re-read look-ahead frame) hash each row once.
+_BLOCK_ROWS = 1 << 13
+_CACHED_BLOCKS = 256  # 256 blocks x 8192 rows x 9 columns float32 = 75 MB at most
+
+
 class NoiseTableError(ValueError):
     """A noise table that cannot be used (missing, wrong shape or dtype, a negative seed)."""
 
@@ -50,6 +58,8 @@ class NoiseTable:
         if length <= 0:
             raise NoiseTableError(f"noise table length must be positive, got {length}")
         self.length, self.columns, self.seed, self._table, self.source = length, columns, seed, table, source
+        self._blocks: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._blocks_lock = threading.Lock()
 
     @classmethod
     def seeded(cls, seed: int, length: int, columns: int) -> "NoiseTable":
@@ -87,6 +97,27 @@ class NoiseTable:
                 return np.array(self._table[first:first + count], dtype=np.float32)
             index = (first + np.arange(count, dtype=np.int64)) % self.length
             return np.asarray(self._table[index], dtype=np.float32)
+        first_block, last_block = start // _BLOCK_ROWS, (start + count - 1) // _BLOCK_ROWS
+        blocks = [self._block(b) for b in range(first_block, last_block + 1)]
+        joined = blocks[0] if len(blocks) == 1 else np.concatenate(blocks)
+        offset = start - first_block * _BLOCK_ROWS
+        return joined[offset:offset + count].copy()
+
+    def _block(self, index: int) -> np.ndarray:
+        with self._blocks_lock:
+            block = self._blocks.get(index)
+            if block is not None:
+                self._blocks.move_to_end(index)
+                return block
+        block = self._hash_rows(index * _BLOCK_ROWS, _BLOCK_ROWS)
+        with self._blocks_lock:
+            self._blocks[index] = block
+            while len(self._blocks) > _CACHED_BLOCKS:
+                self._blocks.popitem(last=False)
+        return block
+
+    def _hash_rows(self, start: int, count: int) -> np.ndarray:
+        first = start % self.length
         if first + count <= self.length:  # no wrap: skip the (slow) uint64 modulo
             index = np.arange(first, first + count, dtype=np.uint64)
         else:

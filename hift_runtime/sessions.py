@@ -8,16 +8,19 @@ import dataclasses
 import json
 import logging
 import os
+import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 import onnxruntime as ort
 
-from .manifest import (F0_STEP, GENERATOR_STEP, GENERATOR_STEP_FINAL, METADATA_PREFIX, RUNTIME_ROLES, ArtifactError,
+from .manifest import (F0_STEP, GENERATOR_STEP, GENERATOR_STEP_FINAL, GENERATOR_STEP_FINAL_SLOTS, GENERATOR_STEP_SLOTS,
+                       METADATA_PREFIX, POOL_OUTPUT, RUNTIME_ROLES, ArtifactError,
                        Manifest, read_manifest)
 from .noise import NoiseTable
-from .streaming import CacheSpec, StreamConstants, StreamingVocoder
+from .streaming import CacheSpec, OverloadError, StreamConstants, StreamError, StreamingVocoder
 
 log = logging.getLogger("hift_runtime")
 Device = Literal["auto", "cuda", "cpu"]
@@ -53,6 +56,9 @@ class CudaOptions:
     # Batch sizes captured for cross-stream batching (a batch of B streams runs on the smallest size >= B, padded).
     # (1,) without batching; open_vocoder(..., batching=True) on the GPU uses BATCH_SIZES.
     batch_sizes: tuple[int, ...] = (1,)
+    # Device cache slots: one per open stream (0.58 MB each at full size), allocated at open. Raised to fit
+    # open_vocoder(max_streams=...); a stream beyond them is refused with OverloadError.
+    slots: int = 2048
 
     def provider_options(self) -> dict[str, str]:
         return {"device_id": str(self.device_id), "use_tf32": "1" if self.use_tf32 else "0",
@@ -135,81 +141,115 @@ class _StepSession:
         return lead, nxt
 
 
-class PackedCaches(dict):
-    """A stream's caches as named views into one contiguous buffer, so a CUDA-graph step moves them across the bus
-    in one copy each way instead of one per cache."""
-
-    def __init__(self, specs: tuple[CacheSpec, ...], buffer: np.ndarray | None = None) -> None:
-        sizes = [int(np.prod(spec.shape)) for spec in specs]
-        if any(spec.dtype != "float32" for spec in specs):
-            raise ValueError("packed caches are float32")
-        self.buffer = np.zeros(sum(sizes), np.float32) if buffer is None else buffer
-        offset = 0
-        views = {}
-        for spec, size in zip(specs, sizes):
-            views[spec.name] = self.buffer[offset:offset + size].reshape(1, *spec.shape)
-            offset += size
-        super().__init__(views)
+class SlotPoolFull(OverloadError):
+    """Every device cache slot is taken: as many streams are open as the pool has rows."""
 
 
-class _GraphStep:
-    """The generator step of one fixed size and batch as a CUDA graph: every input and output lives in a persistent
-    device buffer (a captured graph replays over exactly these addresses); the caches are bound at offsets of one
-    packed buffer each way (per cache a block of ``batch`` rows). A call copies its inputs in and its outputs out;
-    the caller serialises calls."""
+class Slot:
+    """One stream's generator caches on the device: a row of the :class:`SlotPool`, given back when the stream
+    lets go of it (finished, expired or dropped). ``broken``: a step failed after it may have written the row."""
+
+    __slots__ = ("index", "broken", "__weakref__")
+
+    def __init__(self, index: int) -> None:
+        self.index, self.broken = index, False
+
+
+class SlotPool:
+    """Every open stream's generator caches in one device buffer ``[rows, R]`` (``R`` floats a stream), bound to the
+    slot-form step graphs as their ``pool`` input and, in place, their ``pool_out`` output. Row 0 is scratch: the
+    padding rows of a batch read and write it."""
+
+    def __init__(self, rows: int, row_floats: int, device_id: int) -> None:
+        if rows < 2:
+            raise ValueError(f"a slot pool needs at least 2 rows (one scratch), got {rows}")
+        self.rows, self.row_floats = rows, row_floats
+        self.value = ort.OrtValue.ortvalue_from_shape_and_type([rows, row_floats], np.float32, "cuda", device_id)
+        self._free = list(range(rows - 1, 0, -1))
+        self._lock = threading.Lock()
+
+    def acquire(self) -> Slot:
+        with self._lock:
+            if not self._free:
+                raise SlotPoolFull(f"all {self.rows - 1} device cache slots are in use (one per open stream); finish "
+                                   f"streams, or open the vocoder with more (CudaOptions(slots=...) or max_streams)")
+            slot = Slot(self._free.pop())
+        weakref.finalize(slot, self._release, slot.index)
+        return slot
+
+    def _release(self, index: int) -> None:
+        with self._lock:
+            self._free.append(index)
+
+    @property
+    def in_use(self) -> int:
+        return self.rows - 1 - len(self._free)
+
+
+def _slot_indices(caches: Any, batch: int) -> np.ndarray:
+    """The pool rows of a step's streams (one :class:`Slot` or a list of them, from the batcher), padded with the
+    scratch row 0 up to ``batch``."""
+    slots = caches if isinstance(caches, list) else [caches]
+    for slot in slots:
+        if slot.broken:
+            raise StreamError("this stream's device caches were lost in a failed step; open a new stream")
+    index = np.zeros(batch, np.int64)
+    index[:len(slots)] = [s.index for s in slots]
+    return index
+
+
+class _SlotStep:
+    """The slot-form generator step of one fixed size and batch as a CUDA graph: its inputs and outputs live in
+    persistent device buffers (a captured graph replays over exactly these addresses), the pool is bound in place.
+    A call copies the step's inputs in (no caches: they stay in the pool) and its audio and phase out; the caller
+    serialises calls."""
 
     def __init__(self, session: ort.InferenceSession, graph_id: int, size: int, batch: int,
-                 constants: StreamConstants, device_id: int) -> None:
+                 constants: StreamConstants, pool: SlotPool, device_id: int) -> None:
         c = constants
-        self.session, self.size, self.batch, self.specs = session, size, batch, c.generator_caches
-        out_shapes: dict[str, tuple[tuple[int, ...], Any]] = {
-            "audio": ((batch, size * c.samples_per_frame), np.float32),
-            "phase_out": ((batch, c.num_sines), np.float64)}
-        self.inputs = {k: ort.OrtValue.ortvalue_from_numpy(v, "cuda", device_id)
-                       for k, v in _zero_step_feed(c, size, batch).items()}
-        self.outputs = {k: ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, "cuda", device_id)
-                        for k, (shape, dtype) in out_shapes.items()}
-        self.sizes = [int(np.prod(spec.shape)) for spec in self.specs]
-        total = batch * sum(self.sizes)
-        self.caches_in = ort.OrtValue.ortvalue_from_numpy(np.zeros(total, np.float32), "cuda", device_id)
-        self.caches_out = ort.OrtValue.ortvalue_from_shape_and_type([total], np.float32, "cuda", device_id)
+        self.size, self.batch, self.session = size, batch, session
+        feed = {**_zero_step_feed(c, size, batch), "slots": np.zeros(batch, np.int64)}
+        self.inputs = {k: ort.OrtValue.ortvalue_from_numpy(v, "cuda", device_id) for k, v in feed.items()}
+        self.outputs = {"audio": ort.OrtValue.ortvalue_from_shape_and_type(
+                            [batch, size * c.samples_per_frame], np.float32, "cuda", device_id),
+                        "phase_out": ort.OrtValue.ortvalue_from_shape_and_type(
+                            [batch, c.num_sines], np.float64, "cuda", device_id)}
         self.binding = session.io_binding()
         for k, v in self.inputs.items():
             self.binding.bind_ortvalue_input(k, v)
         for k, v in self.outputs.items():
             self.binding.bind_ortvalue_output(k, v)
-        offset = 0
-        for spec, size_ in zip(self.specs, self.sizes):
-            shape = [batch, *spec.shape]
-            self.binding.bind_input(CACHE_PREFIX + spec.name, "cuda", device_id, np.float32, shape,
-                                    self.caches_in.data_ptr() + 4 * offset)
-            self.binding.bind_output(NEXT_PREFIX + spec.name, "cuda", device_id, np.float32, shape,
-                                     self.caches_out.data_ptr() + 4 * offset)
-            offset += batch * size_
+        shape = [pool.rows, pool.row_floats]
+        self.binding.bind_input("pool", "cuda", device_id, np.float32, shape, pool.value.data_ptr())
+        self.binding.bind_output(POOL_OUTPUT, "cuda", device_id, np.float32, shape, pool.value.data_ptr())
         self.options = ort.RunOptions()
         self.options.add_run_config_entry("gpu_graph_id", str(graph_id))
         self.captured = False
 
-    def run(self, feed: dict[str, np.ndarray], caches: dict[str, np.ndarray]) -> tuple[list[np.ndarray], Any]:
+    def run(self, feed: dict[str, np.ndarray], slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         rows = feed["mel"].shape[0]
         for k, v in feed.items():
             self.inputs[k].update_inplace(_pad_rows(v, self.batch))
-        if isinstance(caches, PackedCaches) and self.batch == 1:
-            packed = caches.buffer
-        else:
-            packed = np.concatenate([_pad_rows(np.asarray(caches[spec.name], np.float32), self.batch).reshape(-1)
-                                     for spec in self.specs])
-        self.caches_in.update_inplace(packed)
+        self.inputs["slots"].update_inplace(slots)
         self.session.run_with_iobinding(self.binding, self.options)
-        out = self.caches_out.numpy()
-        if self.batch == 1:
-            nxt: dict[str, np.ndarray] = PackedCaches(self.specs, out)
-        else:
-            nxt, offset = {}, 0
-            for spec, size_ in zip(self.specs, self.sizes):
-                nxt[spec.name] = out[offset:offset + self.batch * size_].reshape(self.batch, *spec.shape)[:rows]
-                offset += self.batch * size_
-        return [self.outputs["audio"].numpy()[:rows], self.outputs["phase_out"].numpy()[:rows]], nxt
+        return self.outputs["audio"].numpy()[:rows], self.outputs["phase_out"].numpy()[:rows]
+
+
+def _run_slots(session: ort.InferenceSession, feed: dict[str, np.ndarray], slots: np.ndarray, pool: SlotPool,
+               device_id: int, options: ort.RunOptions | None) -> tuple[np.ndarray, np.ndarray]:
+    """One ordinary (not captured) call of a slot-form graph: inputs from the host, the pool in place."""
+    binding = session.io_binding()
+    for k, v in {**feed, "slots": slots}.items():
+        binding.bind_cpu_input(k, np.ascontiguousarray(v))
+    shape = [pool.rows, pool.row_floats]
+    binding.bind_input("pool", "cuda", device_id, np.float32, shape, pool.value.data_ptr())
+    for name in ("audio", "phase_out"):  # bound first: get_outputs() keeps the binding order
+        binding.bind_output(name, "cpu")
+    if any(o.name == POOL_OUTPUT for o in session.get_outputs()):
+        binding.bind_output(POOL_OUTPUT, "cuda", device_id, np.float32, shape, pool.value.data_ptr())
+    session.run_with_iobinding(binding, options)
+    audio, phase = binding.get_outputs()[:2]
+    return audio.numpy(), phase.numpy()
 
 
 def _pad_rows(value: np.ndarray, batch: int) -> np.ndarray:
@@ -264,44 +304,66 @@ class OrtBackend:
             # pools (one per session, a thread per core) starve the streams' own threads under load.
             opts.intra_op_num_threads = intra_op_threads or 1
             opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self._graphs: dict[tuple[int, int], _GraphStep] = {}  # (step size, batch size) -> captured graph
         # Every call on the CUDA EP runs on one thread of ours: ONNX Runtime keeps captured CUDA graphs per calling
         # thread (a replay from another thread captures again, while other threads may be running kernels: the
         # "operation not permitted when stream is capturing" crash), and the graphs' buffers are shared.
         self._device = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hift-cuda")
+        self._graphs: dict[tuple[int, int], _SlotStep] = {}  # (step size, batch size) -> captured graph
+        self._graphs_enabled = False
+        self._pool: SlotPool | None = None
+        active = CPU
+        if providers[0] != CPU:
+            active = self._open_slot_sessions(opts, providers)
+            if active != CUDA:
+                reason = "CUDA EP could not start (no GPU or driver/CUDA libraries missing)"
+                if device == "cuda":
+                    raise ArtifactError(f"device='cuda' requested but the {reason}")
+                providers = [CPU]
+        if active != CUDA:  # the host form: caches are NumPy arrays that travel with each call
+            self._gen = {False: _StepSession(self._session(GENERATOR_STEP, cpu_opts, providers, gen), gen),
+                         True: _StepSession(self._session(GENERATOR_STEP_FINAL, cpu_opts, providers, gen), gen)}
+        f0_providers = providers if active == CUDA and self._cuda.f0_on_cuda else [CPU]
+        f0_opts = opts if f0_providers is providers else cpu_opts  # a CPU session keeps its thread pool
+        self._f0 = _StepSession(self._session(F0_STEP, f0_opts, f0_providers, constants.f0_caches),
+                                constants.f0_caches)
+        self.f0_provider = self._f0.session.get_providers()[0]
+        self.generator_provider = active
+        self.step_sizes = self._cuda.step_sizes if active == CUDA else None
+        self.name = f"ort[{'cuda' if active == CUDA else 'cpu'}]"
+        log.info("hift_runtime: generator on %s%s; F0 on %s", active, f" ({reason})" if reason else "",
+                 self.f0_provider)
+
+    def _open_slot_sessions(self, opts: ort.SessionOptions, providers: list[Any]) -> str:
+        """The slot-form generator sessions and the device pool; returns the provider the step session got."""
         step_providers = providers
-        if providers[0] != CPU and self._cuda.cuda_graphs:
+        if self._cuda.cuda_graphs:
             step_providers = [(CUDA, self._cuda.provider_options() | {"enable_cuda_graph": "1"}), CPU]
         try:
-            step = self._session(GENERATOR_STEP, opts, step_providers, gen)
+            step = self._session(GENERATOR_STEP_SLOTS, opts, step_providers, ())
         except ArtifactError:
             if step_providers is providers:
                 raise
             log.warning("hift_runtime: the generator step cannot be captured as a CUDA graph here; running it "
                         "without CUDA graphs")
             step_providers = providers
-            step = self._session(GENERATOR_STEP, opts, providers, gen)
+            step = self._session(GENERATOR_STEP_SLOTS, opts, providers, ())
+        active = step.get_providers()[0]
+        if active != CUDA:
+            return active
         self._graphs_enabled = step_providers is not providers
         self._plain = ort.RunOptions()
         if self._graphs_enabled:
             self._plain.add_run_config_entry("gpu_graph_id", "-1")  # ordinary call: no capture, no replay
-        self._gen = {False: _StepSession(step, gen, self._plain),
-                     True: _StepSession(self._session(GENERATOR_STEP_FINAL, opts, providers, gen), gen)}
-        active = self._gen[False].session.get_providers()[0]
-        f0_providers = providers if active == CUDA and self._cuda.f0_on_cuda else [CPU]
-        f0_opts = opts if f0_providers is providers else cpu_opts  # a CPU session keeps its thread pool
-        self._f0 = _StepSession(self._session(F0_STEP, f0_opts, f0_providers, constants.f0_caches),
-                                constants.f0_caches)
-        self.f0_provider = self._f0.session.get_providers()[0]
-        if providers[0] != CPU and active != CUDA:
-            reason = "CUDA EP could not start (no GPU or driver/CUDA libraries missing)"
-            if device == "cuda":
-                raise ArtifactError(f"device='cuda' requested but the {reason}")
-        self.generator_provider = active
-        self.step_sizes = self._cuda.step_sizes if active == CUDA else None
-        self.name = f"ort[{'cuda' if active == CUDA else 'cpu'}]"
-        log.info("hift_runtime: generator on %s%s; F0 on %s", active, f" ({reason})" if reason else "",
-                 self.f0_provider)
+        self._slot_step = step
+        self._slot_final = self._session(GENERATOR_STEP_FINAL_SLOTS, opts, providers, ())
+        row = sum(int(np.prod(spec.shape)) for spec in self.constants.generator_caches)
+        for session in (step, self._slot_final):
+            pool = next(v for v in session.get_inputs() if v.name == "pool")
+            if pool.shape[1] != row:
+                raise ArtifactError(f"{self.manifest.root}: the slot-form graphs' pool rows hold {pool.shape[1]} "
+                                    f"floats, the cache layout {row}; re-export")
+        self._pool = SlotPool(self._cuda.slots + 1, row, self._cuda.device_id)
+        return active
 
     def _session(self, role: str, opts: ort.SessionOptions, providers: list[Any],
                  caches: tuple[CacheSpec, ...]) -> ort.InferenceSession:
@@ -314,9 +376,17 @@ class OrtBackend:
         _check_metadata(session, self.manifest, path)
         return session
 
-    def new_caches(self, kind: str, batch: int = 1) -> dict[str, np.ndarray]:
-        if kind == "generator" and self._graphs_enabled and batch == 1:
-            return PackedCaches(self.constants.generator_caches)
+    @property
+    def slots_in_use(self) -> int:
+        return self._pool.in_use if self._pool is not None else 0
+
+    def new_caches(self, kind: str, batch: int = 1) -> Any:
+        """Zero caches: NumPy arrays, or on the CUDA EP for the generator a device :class:`Slot` (its first step
+        reads zeros, so a slot needs no clearing)."""
+        if kind == "generator" and self._pool is not None:
+            if batch != 1:
+                raise ValueError("device slots are taken one stream at a time")
+            return self._pool.acquire()
         specs = self.constants.generator_caches if kind == "generator" else self.constants.f0_caches
         return {spec.name: spec.zeros(batch) for spec in specs}
 
@@ -334,25 +404,34 @@ class OrtBackend:
         return f0[:rows], {k: v[:rows] for k, v in nxt.items()}
 
     def generator_step(self, mel: np.ndarray, f0: np.ndarray, noise: np.ndarray, phase_in: np.ndarray,
-                       first: np.ndarray, caches: dict[str, np.ndarray],
-                       final: bool) -> tuple[np.ndarray, np.ndarray, Any]:
+                       first: np.ndarray, caches: Any, final: bool) -> tuple[np.ndarray, np.ndarray, Any]:
         feed = {"mel": mel, "f0": f0, "noise": noise, "phase_in": phase_in, "first": first}
-        if self.generator_provider != CUDA:
+        if self._pool is None:
             (audio, phase_out), nxt = self._gen[final].run(feed, caches)
             return audio, phase_out, nxt
-        return self._device.submit(self._generator_step_on_device, feed, caches, final).result()
+        audio, phase_out = self._device.submit(self._slot_step_on_device, feed, caches, final).result()
+        return audio, phase_out, (None if final else caches)  # the next caches are in the same slots
 
-    def _generator_step_on_device(self, feed: dict[str, np.ndarray], caches: dict[str, np.ndarray],
-                                  final: bool) -> tuple[np.ndarray, np.ndarray, Any]:
-        runner = self._gen[final]
-        if not final:
-            size = feed["f0"].shape[1] - self.constants.source_look_ahead
-            batch = next((b for b in self._cuda.batch_sizes if b >= feed["mel"].shape[0]), None)
-            graph = self._graphs.get((size, batch))
+    def _slot_step_on_device(self, feed: dict[str, np.ndarray], caches: Any,
+                             final: bool) -> tuple[np.ndarray, np.ndarray]:
+        rows = feed["mel"].shape[0]
+        batch = next((b for b in self._cuda.batch_sizes if b >= rows), rows)  # the shapes warmup() prepared
+        slots = _slot_indices(caches, batch)
+        assert self._pool is not None
+        try:
+            graph = None if final else self._graphs.get((feed["f0"].shape[1] - self.constants.source_look_ahead,
+                                                         batch))
             if graph is not None and graph.captured:
-                runner = graph
-        (audio, phase_out), nxt = runner.run(feed, caches)
-        return audio, phase_out, nxt
+                return graph.run(feed, slots)
+            session, options = (self._slot_final, None) if final else (self._slot_step, self._plain)
+            audio, phase = _run_slots(session, {k: _pad_rows(v, batch) for k, v in feed.items()}, slots,
+                                      self._pool, self._cuda.device_id, options)
+            return audio[:rows], phase[:rows]
+        except Exception:
+            if not final:  # the step may have written these rows before it failed: their streams cannot go on
+                for slot in caches if isinstance(caches, list) else [caches]:
+                    slot.broken = True
+            raise
 
     def warmup(self, step_sizes: tuple[int, ...] | None) -> None:
         """Prepare every fixed step size (and batch size) on the CUDA EP: build its cuDNN state and, with
@@ -363,25 +442,31 @@ class OrtBackend:
         self._device.submit(self._warmup_on_device, step_sizes).result()
 
     def _warmup_on_device(self, step_sizes: tuple[int, ...]) -> None:
-        c = self.constants
+        c, pool = self.constants, self._pool
+        assert pool is not None
         for batch in self._cuda.batch_sizes:
+            scratch = np.zeros(batch, np.int64)  # every row reads and writes the scratch slot
             for size in step_sizes:
-                feed = _zero_step_feed(c, size, batch)
-                caches = self.new_caches("generator", batch)
                 if self.f0_provider == CUDA:  # each F0 shape's first run is slow on the CUDA EP: do it now
                     self._f0.run({"mel": np.zeros((batch, c.in_channels, size + c.f0_look_ahead), np.float32)},
                                  self.new_caches("f0", batch))
+                feed = _zero_step_feed(c, size, batch)
                 if not self._graphs_enabled:
-                    self._gen[False].run(dict(feed), caches)  # builds this shape's cuDNN state
+                    _run_slots(self._slot_step, feed, scratch, pool, self._cuda.device_id, self._plain)
                 elif (size, batch) not in self._graphs:
-                    graph = _GraphStep(self._gen[False].session, len(self._graphs) + 1, size, batch, c,
-                                       self._cuda.device_id)
+                    graph = _SlotStep(self._slot_step, len(self._graphs) + 1, size, batch, c, pool,
+                                      self._cuda.device_id)
                     for _ in range(3):  # ORT runs a graph id normally before it captures it
-                        graph.run(dict(feed), caches)
+                        graph.run(dict(feed), scratch)
                     graph.captured = True
                     self._graphs[(size, batch)] = graph
-        for size in range(1, c.mel_look_ahead + 1):  # a stream's last step: at most 4 frames once pushes split
-            self._gen[True].run(_zero_step_feed(c, size, 1, final=True), self.new_caches("generator"))
+        # A stream's last step covers 4 frames once pushes split (fewer only for streams shorter than that); streams
+        # that end together share it, so its batch sizes are prepared too.
+        for size, batches in [(s, (1,)) for s in range(1, c.mel_look_ahead)] + [(c.mel_look_ahead,
+                                                                                   self._cuda.batch_sizes)]:
+            for batch in batches:
+                _run_slots(self._slot_final, _zero_step_feed(c, size, batch, final=True), np.zeros(batch, np.int64),
+                           pool, self._cuda.device_id, None)
 
 
 def open_vocoder(artifacts: str | os.PathLike[str], *, device: Device = "auto",
@@ -407,6 +492,8 @@ def open_vocoder(artifacts: str | os.PathLike[str], *, device: Device = "auto",
     except (KeyError, TypeError, ValueError) as exc:
         raise ArtifactError(f"{manifest.root}/manifest.json: unreadable step contract ({exc}); re-export") from exc
     cuda = cuda or CudaOptions()
+    if max_streams is not None and cuda.slots < max_streams + 4:  # + offline passes running beside the streams
+        cuda = dataclasses.replace(cuda, slots=max_streams + 4)
     if batching is not False and cuda.batch_sizes == (1,):
         cuda = dataclasses.replace(cuda, batch_sizes=tuple(b for b in BATCH_SIZES if b <= max_batch))
     backend: Any = OrtBackend(manifest, constants, device=device, cuda=cuda, intra_op_threads=intra_op_threads)

@@ -17,13 +17,15 @@ from hift_export.onnx_export import op_types
 from hift_export.step import f0_cache_layout, generator_cache_layout
 from hift_export.targets import (ARTIFACT_FILES, example_f0_step_inputs, example_generator_step_inputs,
                                  flat_arrays)
-from hift_runtime.manifest import (F0_STEP, GENERATOR_STEP, GENERATOR_STEP_FINAL, GENERATOR_WEIGHTS, MANIFEST_NAME,
+from hift_runtime.manifest import (F0_STEP, FORMAT_VERSION, GENERATOR_STEP, GENERATOR_STEP_FINAL,
+                                   GENERATOR_STEP_FINAL_SLOTS, GENERATOR_STEP_SLOTS, GENERATOR_WEIGHTS, MANIFEST_NAME,
                                    sha256_file)
 
 from .conftest import CHECKPOINT, max_abs, needs_fixtures
 from .test_model import legacy_spelling, prefixed
 
 ONNX_ROLES = (GENERATOR_STEP, GENERATOR_STEP_FINAL, F0_STEP)
+SLOT_ROLES = (GENERATOR_STEP_SLOTS, GENERATOR_STEP_FINAL_SLOTS)  # rewritten from the generator graphs: ONNX only
 
 
 def _sessions(out):
@@ -46,7 +48,7 @@ def test_manifest(which, request):
     result = request.getfixturevalue(f"{which}_artifacts")
     out, manifest = result.out, json.loads((result.out / MANIFEST_NAME).read_text())
     assert manifest["fold_counts"] == {"generator": 77, "f0_predictor": 5}
-    assert manifest["opset"] >= 18 and manifest["format_version"] == 2
+    assert manifest["opset"] >= 18 and manifest["format_version"] == FORMAT_VERSION
     assert set(manifest["artifacts"]) == set(ARTIFACT_FILES)
     assert sorted(p.name for p in out.iterdir()) == sorted([*ARTIFACT_FILES.values(), MANIFEST_NAME])
     for role, entry in manifest["artifacts"].items():
@@ -58,13 +60,13 @@ def test_manifest(which, request):
         assert manifest["weights"] == {"source": "seeded-random", "seed": 1986, "trained": False}
     for key in ("torch", "onnx", "onnxscript", "onnxruntime"):
         assert manifest["versions"][key]
-    for role in ONNX_ROLES:
+    for role in (*ONNX_ROLES, *SLOT_ROLES):
         model = onnx.load(str(out / ARTIFACT_FILES[role]), load_external_data=False)
         meta = {p.key: json.loads(p.value) for p in model.metadata_props}
         assert meta["hift.config"] == manifest["config"] and meta["hift.role"] == role
         assert meta["hift.step"] == manifest["step"]
-    # Both generator graphs share one weights file: no second copy of the 70 MB.
-    for role in (GENERATOR_STEP, GENERATOR_STEP_FINAL):
+    # Every generator graph shares one weights file: no second copy of the 70 MB.
+    for role in (GENERATOR_STEP, GENERATOR_STEP_FINAL, *SLOT_ROLES):
         assert manifest["artifacts"][role]["external_data"] == ARTIFACT_FILES[GENERATOR_WEIGHTS]
 
 
@@ -105,7 +107,7 @@ def test_graph_ops(which, request):
     out = request.getfixturevalue(f"{which}_artifacts").out
     no_cuda_kernel_or_random = {"STFT", "DFT", "RandomNormal", "RandomNormalLike", "RandomUniform",
                                 "RandomUniformLike", "Multinomial", "Bernoulli", "Loop", "If", "Scan"}
-    for role in ONNX_ROLES:
+    for role in (*ONNX_ROLES, *SLOT_ROLES):
         ops = set(op_types(onnx.load(str(out / ARTIFACT_FILES[role]), load_external_data=False)))
         assert not ops & no_cuda_kernel_or_random, (role, ops & no_cuda_kernel_or_random)
     f0 = onnx.load(str(out / ARTIFACT_FILES[F0_STEP]))
@@ -211,7 +213,7 @@ def test_export_replaces_the_whole_folder(small_artifacts, tmp_path):
     (out / "README.md").write_text("mine")
     staging = tmp_path / ".artifacts.staging-new"
     staging.mkdir()
-    onnx_only = [ARTIFACT_FILES[r] for r in (*ONNX_ROLES, GENERATOR_WEIGHTS)] + [MANIFEST_NAME]
+    onnx_only = [ARTIFACT_FILES[r] for r in (*ONNX_ROLES, *SLOT_ROLES, GENERATOR_WEIGHTS)] + [MANIFEST_NAME]
     for name in onnx_only:
         shutil.copy(small_artifacts.out / name, staging / name)
     _swap_into_place(staging, out)

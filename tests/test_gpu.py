@@ -7,7 +7,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from hift_runtime import ArtifactError, CudaOptions, open_vocoder
+from hift_runtime import ArtifactError, CudaOptions, OverloadError, open_vocoder
 from hift_runtime.sessions import nvidia_driver_present
 
 from .conftest import max_abs, snr_db
@@ -32,7 +32,7 @@ def test_unknown_device_is_refused(small_artifacts):
 @pytest.mark.skipif(not HAS_GPU, reason="no NVIDIA GPU / CUDA EP on this host")
 def test_cuda_stream_matches_cpu(small_artifacts):
     cpu = open_vocoder(small_artifacts.out, device="cpu")
-    gpu = open_vocoder(small_artifacts.out, device="cuda", cuda=CudaOptions())
+    gpu = open_vocoder(small_artifacts.out, device="cuda", cuda=CudaOptions(), batching=False)
     assert gpu.backend.generator_provider == "CUDAExecutionProvider"
     gpu.warmup()
     mel = random_mel(200, 5)
@@ -42,21 +42,59 @@ def test_cuda_stream_matches_cpu(small_artifacts):
     assert max_abs(a, b) <= 2e-6 and snr_db(a, b) >= 105
 
 
-def test_gpu_helpers_on_the_cpu():
-    """The CUDA path's host-side helpers, which CI can run: packed caches (one buffer, named views), batch padding,
-    and the step split every push goes through."""
-    from hift_runtime.sessions import PackedCaches, _pad_rows
-    from hift_runtime.streaming import CacheSpec, split_steps
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="no NVIDIA GPU / CUDA EP on this host")
+def test_cuda_concurrent_streams_in_device_slots_match_cpu(small_artifacts):
+    """17 streams from 17 threads through the default GPU runtime (batching, CUDA graphs, caches in device slots):
+    each equals its CPU stream, nothing crashes while graphs replay under concurrency (the captures all happen in
+    warmup(), on the device thread), and every slot is given back."""
+    import threading
 
-    specs = (CacheSpec("a", (2, 3), "float32"), CacheSpec("b", (4, 1), "float32"))
-    packed = PackedCaches(specs)
-    packed["b"][...] = 1.0
-    assert packed.buffer.shape == (10,) and packed["a"].shape == (1, 2, 3) and packed.buffer[6:].tolist() == [1.0] * 4
-    again = PackedCaches(specs, packed.buffer.copy())
-    assert np.array_equal(again["b"], packed["b"])
+    cpu = open_vocoder(small_artifacts.out, device="cpu")
+    gpu = open_vocoder(small_artifacts.out, device="cuda", max_wait_ms=5)
+    gpu.warmup()
+    rng = np.random.default_rng(17)
+    mels = [random_mel(int(rng.integers(10, 160)), seed=i) for i in range(17)]
+    schedules = [[int(x) for x in rng.integers(0, 40, 8)] + [500] for _ in range(17)]
+    expected = [np.concatenate(stream_all(cpu, m, s)[0]) for m, s in zip(mels, schedules)]
+    results, errors = {}, []
+
+    def worker(i):
+        try:
+            results[i] = np.concatenate(stream_all(gpu, mels[i], schedules[i])[0])
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(17)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for i in range(17):
+        assert max_abs(results[i], expected[i]) <= 2e-6, i
+    assert gpu.backend.stats.max_batch > 1
+    import gc
+
+    gc.collect()
+    assert gpu.backend.inner.slots_in_use == 0
+
+
+def test_gpu_helpers_on_the_cpu():
+    """The CUDA path's host-side helpers, which CI can run: batch padding, slot indices and the step split every push
+    goes through."""
+    from hift_runtime.sessions import Slot, _pad_rows, _slot_indices
+    from hift_runtime.streaming import StreamError, split_steps
+
     padded = _pad_rows(np.ones((3, 2), np.float32), 8)
     assert padded.shape == (8, 2) and padded[:3].all() and not padded[3:].any()
     assert _pad_rows(padded, 8) is padded or np.array_equal(_pad_rows(padded, 8), padded)
+    assert _slot_indices([Slot(5), Slot(2)], 4).tolist() == [5, 2, 0, 0]  # padding rows use the scratch row
+    assert _slot_indices(Slot(7), 1).tolist() == [7]
+    broken = Slot(3)
+    broken.broken = True
+    with pytest.raises(StreamError, match="lost in a failed step"):
+        _slot_indices([Slot(1), broken], 2)
     sizes = (24, 16, 8, 4, 2, 1)
     for count in range(0, 200):
         steps = split_steps(count, sizes)
@@ -116,8 +154,14 @@ class _FakeBinding:
     def bind_input(self, name, device, device_id, dtype, shape, ptr):
         self.inputs[name] = _view_at(ptr, dtype, shape)
 
-    def bind_output(self, name, device, device_id, dtype, shape, ptr):
-        self.outputs[name] = _view_at(ptr, dtype, shape)
+    def bind_output(self, name, device, device_id=0, dtype=None, shape=None, ptr=None):
+        self.outputs[name] = None if ptr is None else _view_at(ptr, dtype, shape)  # None: host, allocated by run
+
+    def bind_cpu_input(self, name, value):
+        self.inputs[name] = value
+
+    def get_outputs(self):
+        return [_FakeDeviceValue(v) for v in self.outputs.values()]
 
 
 class _FakeGraphSession:
@@ -129,36 +173,70 @@ class _FakeGraphSession:
     def io_binding(self):
         return _FakeBinding()
 
+    def get_outputs(self):
+        return self.session.get_outputs()
+
     def run_with_iobinding(self, binding, options=None):
         names = [o.name for o in self.session.get_outputs()]
         for name, value in zip(names, self.session.run(names, dict(binding.inputs))):
-            binding.outputs[name][...] = value
+            if binding.outputs[name] is None:
+                binding.outputs[name] = value
+            else:
+                binding.outputs[name][...] = value
 
 
 @pytest.mark.parametrize("rows, batch", [(1, 1), (3, 4)])
-def test_graph_step_buffers_on_the_cpu(small_artifacts, monkeypatch, rows, batch):
-    """The CUDA-graph runner's buffers, packed-cache offsets and row padding, run over the CPU session: its rows
-    equal the same session run directly (the batched layout is what the GPU load test could not check)."""
+def test_slot_steps_on_the_cpu(small_artifacts, monkeypatch, rows, batch):
+    """The CUDA path's slot form, run over CPU sessions through fake device buffers: the captured-graph runner and
+    the ordinary call read each stream's caches from its pool row (zeros where ``first``), write the next caches back
+    into that row, leave every other stream's row alone, and return what the plain step returns, bit for bit."""
     import hift_runtime.sessions as sessions
+    from hift_runtime.manifest import GENERATOR_STEP_SLOTS, read_manifest
 
     monkeypatch.setattr(sessions.ort, "OrtValue", _FakeDeviceValue)
     cpu = open_vocoder(small_artifacts.out, device="cpu")
-    backend, c = cpu.backend, cpu.constants
-    plain = backend._gen[False]
-    graph = sessions._GraphStep(_FakeGraphSession(plain.session), 1, 7, batch, c, 0)
+    c, plain = cpu.constants, cpu.backend._gen[False]
+    slot_session = ort.InferenceSession(str(read_manifest(small_artifacts.out).path(GENERATOR_STEP_SLOTS)),
+                                        providers=["CPUExecutionProvider"])
+    sizes = [int(np.prod(spec.shape)) for spec in c.generator_caches]
     rng = np.random.default_rng(rows)
+    pool = sessions.SlotPool(6, sum(sizes), 0)
+    held = [pool.acquire() for _ in range(rows)]
+    assert pool.in_use == rows and 0 not in [s.index for s in held]
     feed = {"mel": rng.standard_normal((rows, 80, 11)).astype(np.float32) - 5,
             "f0": (rng.random((rows, 8)) * 300).astype(np.float32),
             "noise": rng.random((rows, 8 * 480, 9), dtype=np.float32), "phase_in": rng.random((rows, 9)),
-            "first": np.array([[i % 2 == 0] for i in range(rows)])}
-    caches = {spec.name: (rng.standard_normal((rows, *spec.shape)) * 0.1).astype(np.float32)
-              for spec in c.generator_caches}
-    if rows == 1:
-        caches = sessions.PackedCaches(c.generator_caches, np.concatenate([v.reshape(-1) for v in caches.values()]))
-    (audio, phase), nxt = graph.run(dict(feed), caches)
-    (want_audio, want_phase), want_next = plain.run(dict(feed), dict(caches))
-    assert audio.shape == want_audio.shape == (rows, 7 * 480)
-    np.testing.assert_array_equal(audio, want_audio)
-    np.testing.assert_array_equal(phase, want_phase)
-    for spec in c.generator_caches:
-        np.testing.assert_array_equal(nxt[spec.name], want_next[spec.name], err_msg=spec.name)
+            "first": np.array([[i % 2 == 1] for i in range(rows)])}
+    slots = sessions._slot_indices(held if rows > 1 else held[0], batch)
+    for runner in ("graph", "ordinary"):
+        pool.value.array[...] = (rng.standard_normal(pool.value.array.shape) * 0.1).astype(np.float32)
+        before = pool.value.array.copy()
+        caches, offset = {}, 0
+        for spec, size in zip(c.generator_caches, sizes):
+            rows_ = before[slots[:rows], offset:offset + size].reshape(rows, *spec.shape).copy()
+            rows_[feed["first"][:, 0]] = 0.0  # a stream's first step starts from zero caches
+            caches[spec.name] = rows_
+            offset += size
+        if runner == "graph":
+            step = sessions._SlotStep(_FakeGraphSession(slot_session), 1, 7, batch, c, pool, 0)
+            audio, phase = step.run(dict(feed), slots)
+        else:
+            padded = {k: sessions._pad_rows(v, batch) for k, v in feed.items()}
+            audio, phase = sessions._run_slots(_FakeGraphSession(slot_session), padded, slots, pool, 0, None)
+            audio, phase = audio[:rows], phase[:rows]
+        (want_audio, want_phase), want_next = plain.run(dict(feed), caches)
+        assert audio.shape == want_audio.shape == (rows, 7 * 480)
+        np.testing.assert_array_equal(audio, want_audio)
+        np.testing.assert_array_equal(phase, want_phase)
+        after = pool.value.array
+        written = np.concatenate([want_next[spec.name].reshape(rows, -1) for spec in c.generator_caches], axis=1)
+        np.testing.assert_array_equal(after[slots[:rows]], written)
+        untouched = [r for r in range(1, pool.rows) if r not in slots]
+        np.testing.assert_array_equal(after[untouched], before[untouched])
+    index = held[0].index
+    del held  # a stream that lets go of its slot gives it back
+    assert pool.in_use == 0 and index in pool._free
+    many = [pool.acquire() for _ in range(pool.rows - 1)]
+    with pytest.raises(sessions.SlotPoolFull, match="device cache slots are in use"):
+        pool.acquire()
+    assert isinstance(sessions.SlotPoolFull("x"), OverloadError) and len(many) == 5
