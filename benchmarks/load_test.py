@@ -5,8 +5,8 @@
         [--ks 1,16,64,...] [--configs batched,batched_tf32,per_stream]
 
 Per K: push latency p50/p95/p99 (from each push's due time to its return, so falling behind counts), first-chunk
-latency, throughput (audio seconds produced per wall second), GPU memory. The ramp of a config stops once p95 passes
-240 ms (half a chunk). Configs: ``batched`` (the default on the GPU: cross-stream batching + CUDA graphs per step size
+latency, throughput (audio seconds produced per wall second), GPU memory. The bound is p95 <= 240 ms (half a chunk);
+the ramp goes on past a miss (larger batches can catch up) and stops at a collapse (p95 > 2.4 s) or an error. Configs: ``batched`` (the default on the GPU: cross-stream batching + CUDA graphs per step size
 and batch), ``batched_tf32`` (the same with TF32), ``per_stream`` (no batching: each stream's step is its own B = 1
 call, the landed path's shape), ``served`` (the ``batched`` runtime behind ``hift-serve``, started by this script on
 free localhost ports; each stream is a gRPC client stream, its last chunk carrying ``end``; the Triton batcher and
@@ -214,7 +214,9 @@ def main() -> None:
             rows.append(row)
             print(name, json.dumps(row), flush=True)
             Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-            if row["push_p95_ms"] > P95_BOUND_MS or row["errors"]:
+            # A miss does not end the ramp: a batching runtime can keep up better at larger K (bigger batches). A
+            # collapse (p95 past 10x the bound) or an error does.
+            if row["push_p95_ms"] > 10 * P95_BOUND_MS or row["errors"]:
                 break
         kept = [r["k"] for r in rows if r["push_p95_ms"] <= P95_BOUND_MS and not r["errors"]]
         result["configs"][name]["max_realtime_streams_at_p95_bound"] = max(kept, default=0)
