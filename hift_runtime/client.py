@@ -75,7 +75,9 @@ class ServerClient:
             tensor.set_data_from_numpy(value)
             inputs.append(tensor)
         try:
-            result = self._client.infer(self.model_name, inputs, **self._timeout())
+            # The id also travels as a header, so a load balancer in front of several servers can pin a stream.
+            result = self._client.infer(self.model_name, inputs, headers={wire.STREAM_HEADER: stream_id},
+                                        **self._timeout())
         except Exception as exc:  # noqa: BLE001 - a transport or Triton error
             raise ServerError(f"{self.url}: {_short(exc)}") from None
         error = _first(result.as_numpy(wire.ERROR))

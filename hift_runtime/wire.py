@@ -17,6 +17,9 @@ streams' requests batched with it; the client raises them as :class:`ServerError
 from __future__ import annotations
 
 MODEL_NAME = "hift_vocoder"
+# The client also sends the stream id as this request header (HTTP header / gRPC metadata): what a load balancer in
+# front of several servers hashes to keep a stream on the server that holds its state.
+STREAM_HEADER = "hift-stream-id"
 STREAM_ID, MEL, START, END = "stream_id", "mel", "start", "end"
 AUDIO, SAMPLES, SAMPLE_RATE, ERROR = "audio", "samples", "sample_rate", "error"
 DEFAULT_HTTP_PORT, DEFAULT_GRPC_PORT, DEFAULT_METRICS_PORT = 8000, 8001, 8002
