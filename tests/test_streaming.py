@@ -268,6 +268,23 @@ def test_seeded_noise_table_is_deterministic_uniform_and_wraps():
     assert abs(float(big.mean()) - 0.5) < 0.01
 
 
+def test_seeded_noise_rows_from_cached_blocks_equal_hashing_each_row():
+    """Rows are hashed once per block and served from the kept blocks: any slice, across block edges, past the table's
+    wrap and after the block was evicted, equals hashing exactly those rows; a returned slice is the caller's own."""
+    from hift_runtime import noise
+
+    table = NoiseTable.seeded(7, length=50_000, columns=9)
+    rng = np.random.default_rng(0)
+    starts = [0, noise._BLOCK_ROWS - 3, 49_990, 123_457] + [int(x) for x in rng.integers(0, 300_000, 40)]
+    for start in starts:
+        count = int(rng.integers(1, 3 * noise._BLOCK_ROWS))
+        np.testing.assert_array_equal(table.rows(start, count), table._hash_rows(start, count), err_msg=str(start))
+    assert len(table._blocks) <= noise._CACHED_BLOCKS
+    mine = table.rows(5, 10)
+    mine[...] = -1.0
+    assert table.rows(5, 10).min() >= 0.0
+
+
 @pytest.mark.parametrize("shape", [(100, 9), (1, 100, 9)])
 def test_npy_noise_table(tmp_path, shape):
     data = np.random.default_rng(0).random(shape, dtype=np.float32)
