@@ -116,6 +116,21 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def busy_port(host: str, ports: dict[str, int]) -> str | None:
+    """The first of ``ports`` that cannot be bound on ``host`` (Triton would fail on it and PyTriton would wait
+    instead of saying so), as a message naming the option; None when all are free."""
+    import socket
+
+    for option, port in ports.items():
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, port))
+            except OSError as exc:
+                return f"{option} {port}: cannot listen on {host}:{port} ({exc.strerror}); pick another port"
+    return None
+
+
 def open_table(args: argparse.Namespace) -> tuple[StreamingVocoder, StreamTable]:
     from .sessions import open_vocoder
 
@@ -136,6 +151,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError as exc:
         print(f"hift-serve: error: PyTriton is not installed ({exc}); install the project with its [serve] extra: "
               f"pip install -e \".[serve]\"", file=sys.stderr)
+        return 2
+    busy = busy_port(args.host, {"--grpc-port": args.grpc_port, "--http-port": args.http_port,
+                                 "--metrics-port": args.metrics_port})
+    if busy:
+        print(f"hift-serve: error: {busy}", file=sys.stderr)
         return 2
     try:
         vocoder, table = open_table(args)

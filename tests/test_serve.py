@@ -230,6 +230,20 @@ def test_hift_vocode_round_trip_through_the_server(server, small_artifacts, tmp_
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "server's settings" in refused.stderr
 
 
+def test_server_refuses_a_busy_port_in_one_line(small_artifacts):
+    pytest.importorskip("pytriton", reason="hift-serve needs the [serve] extra (nvidia-pytriton)")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        http, metrics = _free_ports(2)
+        done = subprocess.run([sys.executable, "-m", "hift_runtime.server", "--artifacts", str(small_artifacts.out),
+                               "--device", "cpu", "--grpc-port", str(port), "--http-port", str(http),
+                               "--metrics-port", str(metrics)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert f"--grpc-port {port}: cannot listen" in done.stderr
+
+
 def test_server_stops_cleanly_on_sigterm(server):
     process = server["process"]
     process.send_signal(signal.SIGTERM)
