@@ -25,6 +25,30 @@ needs_fixtures = pytest.mark.skipif(
 from hift_runtime.metrics import max_abs, snr_db  # noqa: E402,F401 - one max_abs (shape-checked), one SNR
 
 
+def run_in_threads(work, args, timeout: float | None = None) -> list:
+    """``work(arg)`` for each of ``args``, each in a thread of its own, all at once; the results in order. The first
+    error any thread raised is raised here (after every thread ended), so a failing worker fails the test."""
+    import threading
+
+    results: list = [None] * len(args)
+    errors: list[BaseException] = []
+
+    def call(i, arg):
+        try:
+            results[i] = work(arg)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=call, args=(i, arg)) for i, arg in enumerate(args)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    if errors:
+        raise errors[0]
+    return results
+
+
 def pytest_configure(config) -> None:
     if REQUIRE_FIXTURES and not HAVE_FIXTURES:
         raise pytest.UsageError(f"HIFT_REQUIRE_FIXTURES is set but the upstream fixtures are missing: {CHECKPOINT} "

@@ -11,7 +11,7 @@ import pytest
 
 from hift_runtime import MelError, OverloadError, StreamError, open_vocoder
 
-from .conftest import max_abs
+from .conftest import max_abs, run_in_threads
 from .test_streaming import random_mel, stream_all
 
 
@@ -33,21 +33,7 @@ def test_concurrent_streams_through_the_batcher_equal_each_alone(small_artifacts
     schedules = [[int(x) for x in rng.integers(0, 30, 10)] + [500] for _ in range(n)]
     delays = rng.random(n) * 0.05  # random start times, so streams sit at different positions and finish interleaved
     expected = [run_stream(alone, m, s) for m, s in zip(mels, schedules)]
-    results: dict[int, np.ndarray] = {}
-    errors: list[BaseException] = []
-
-    def worker(i):
-        try:
-            results[i] = run_stream(batched, mels[i], schedules[i], delays[i])
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    results = run_in_threads(lambda i: run_stream(batched, mels[i], schedules[i], delays[i]), range(n))
     for i in range(n):
         # Measured <= 3.3e-7: batched convolutions round like B = 1 up to float32 noise.
         assert max_abs(results[i], expected[i]) <= 1e-6, i

@@ -10,7 +10,7 @@ import pytest
 from hift_runtime import ArtifactError, CudaOptions, OverloadError, open_vocoder
 from hift_runtime.sessions import nvidia_driver_present
 
-from .conftest import max_abs, snr_db
+from .conftest import max_abs, run_in_threads, snr_db
 from .test_streaming import random_mel, stream_all
 
 HAS_GPU = nvidia_driver_present() and "CUDAExecutionProvider" in ort.get_available_providers()
@@ -48,8 +48,6 @@ def test_cuda_concurrent_streams_in_device_slots_match_cpu(small_artifacts):
     """17 streams from 17 threads through the default GPU runtime (batching, CUDA graphs, caches in device slots):
     each equals its CPU stream, nothing crashes while graphs replay under concurrency (the captures all happen in
     warmup(), on the device thread), and every slot is given back."""
-    import threading
-
     cpu = open_vocoder(small_artifacts.out, device="cpu")
     gpu = open_vocoder(small_artifacts.out, device="cuda", max_wait_ms=5)
     gpu.warmup()
@@ -57,20 +55,7 @@ def test_cuda_concurrent_streams_in_device_slots_match_cpu(small_artifacts):
     mels = [random_mel(int(rng.integers(10, 160)), seed=i) for i in range(17)]
     schedules = [[int(x) for x in rng.integers(0, 40, 8)] + [500] for _ in range(17)]
     expected = [np.concatenate(stream_all(cpu, m, s)[0]) for m, s in zip(mels, schedules)]
-    results, errors = {}, []
-
-    def worker(i):
-        try:
-            results[i] = np.concatenate(stream_all(gpu, mels[i], schedules[i])[0])
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(17)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    results = run_in_threads(lambda i: np.concatenate(stream_all(gpu, mels[i], schedules[i])[0]), range(17))
     for i in range(17):
         assert max_abs(results[i], expected[i]) <= 2e-6, i
     assert gpu.backend.stats.max_batch > 1

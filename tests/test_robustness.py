@@ -13,6 +13,7 @@ import pytest
 from hift_runtime import ArtifactError, MelError, StreamError, open_vocoder
 from hift_runtime.manifest import F0_STEP, GENERATOR_STEP, MANIFEST_NAME
 
+from .conftest import run_in_threads
 from .test_streaming import random_mel, stream_all
 
 
@@ -197,22 +198,8 @@ def test_concurrent_streams_are_independent(vocoder):
         return np.concatenate(stream_all(vocoder, mel, schedule)[0])
 
     alone = [run(m, s) for m, s in zip(mels, schedules)]
-    results: dict[int, np.ndarray] = {}
-    errors: list[BaseException] = []
-
-    def worker(indices):
-        try:
-            for i in indices:
-                results[i] = run(mels[i], schedules[i])
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=worker, args=(range(k, 32, 8),)) for k in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    per_thread = run_in_threads(lambda k: {i: run(mels[i], schedules[i]) for i in range(k, 32, 8)}, range(8))
+    results = {i: audio for part in per_thread for i, audio in part.items()}
     for i in range(32):
         np.testing.assert_array_equal(results[i], alone[i], err_msg=f"stream {i}")
 

@@ -17,7 +17,7 @@ import pytest
 
 from hift_runtime.serving import ChunkRequest, StreamTable
 
-from .conftest import ROOT, max_abs
+from .conftest import ROOT, max_abs, run_in_threads
 
 # Streamed vs one offline pass is exact to float32 rounding (<= 6e-7 over every schedule, test_streaming.py); the
 # server adds no arithmetic, so the same bound holds through it.
@@ -156,27 +156,18 @@ def test_live_server_streams_8_concurrent_utterances_exactly_in_shared_batches(s
 
     rng = np.random.default_rng(8)
     mels = [_mel(rng, 40 + 9 * i) for i in range(8)]
-    results: dict[int, np.ndarray] = {}
-    errors: list[BaseException] = []
     barrier = threading.Barrier(8)
 
-    def run(i: int) -> None:
-        try:
-            client = ServerClient(server["grpc"] if i % 2 else server["http"])
-            stream = client.stream(f"utt-{i}")
-            parts = _chunks(mels[i], 12)
-            barrier.wait()
-            results[i] = np.concatenate([stream.push(p, end=k == len(parts) - 1) for k, p in enumerate(parts)])
-            client.close()
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+    def run(i: int) -> np.ndarray:
+        client = ServerClient(server["grpc"] if i % 2 else server["http"])
+        stream = client.stream(f"utt-{i}")
+        parts = _chunks(mels[i], 12)
+        barrier.wait()
+        audio = np.concatenate([stream.push(p, end=k == len(parts) - 1) for k, p in enumerate(parts)])
+        client.close()
+        return audio
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert not errors, errors
+    results = run_in_threads(run, range(8), timeout=300)
     for i, mel in enumerate(mels):
         assert max_abs(results[i], vocoder.vocode(mel)) <= SERVED_TOLERANCE
     metrics = urllib.request.urlopen(server["metrics"], timeout=10).read().decode()
