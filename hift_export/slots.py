@@ -23,11 +23,7 @@ import numpy as np
 from hift_runtime.manifest import POOL_OUTPUT, SLOT_INPUTS
 
 from .graphs import CACHE_PREFIX, NEXT_PREFIX
-
-
-def pool_row_floats(layout: list[dict[str, Any]]) -> int:
-    """Floats of one stream's caches (one pool row)."""
-    return int(sum(np.prod(e["shape"]) for e in layout))
+from .step import pool_row_floats
 
 
 def slotted_model(model: Any, layout: list[dict[str, Any]], final: bool) -> Any:

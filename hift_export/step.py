@@ -58,7 +58,7 @@ def step_contract(config: HiFTConfig, f0_dtype: str) -> dict[str, Any]:
         "generator_caches": generator_cache_layout(config),
         "f0_caches": f0_cache_layout(config, f0_dtype),
         # The slot form's pool row: every generator cache of one stream, flattened in layout order (float32).
-        "pool_row_floats": int(sum(math.prod(e["shape"]) for e in generator_cache_layout(config))),
+        "pool_row_floats": pool_row_floats(generator_cache_layout(config)),
     }
 
 
@@ -102,6 +102,11 @@ def generator_cache_layout(config: HiFTConfig) -> list[dict[str, Any]]:
         ("audio_delay", [1, AUDIO_LAG_FRAMES * c.samples_per_frame - c.n_fft // 2], "float32"),  # finished, not yet emitted (1 frame lag)
     ]
     return [{"name": n, "shape": s, "dtype": d, "init": "zeros"} for n, s, d in entries]
+
+
+def pool_row_floats(layout: Sequence[dict[str, Any]]) -> int:
+    """Floats of one stream's caches of ``layout``: one row of the slot form's pool (``hift_export/slots.py``)."""
+    return int(sum(math.prod(e["shape"]) for e in layout))
 
 
 def f0_cache_layout(config: HiFTConfig, dtype: str) -> list[dict[str, Any]]:

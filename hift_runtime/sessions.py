@@ -356,12 +356,15 @@ class OrtBackend:
             self._plain.add_run_config_entry("gpu_graph_id", "-1")  # ordinary call: no capture, no replay
         self._slot_step = step
         self._slot_final = self._session(GENERATOR_STEP_FINAL_SLOTS, opts, providers, ())
-        row = sum(int(np.prod(spec.shape)) for spec in self.constants.generator_caches)
+        row = int(self.manifest.step["pool_row_floats"])  # the layout's caches of one stream, flattened
+        if row != sum(int(np.prod(spec.shape)) for spec in self.constants.generator_caches):
+            raise ArtifactError(f"{self.manifest.root}/manifest.json: pool_row_floats {row} is not the sum of the "
+                                f"generator cache layout; the manifest was edited; re-export")
         for session in (step, self._slot_final):
             pool = next(v for v in session.get_inputs() if v.name == "pool")
             if pool.shape[1] != row:
                 raise ArtifactError(f"{self.manifest.root}: the slot-form graphs' pool rows hold {pool.shape[1]} "
-                                    f"floats, the cache layout {row}; re-export")
+                                    f"floats, the manifest's pool_row_floats {row}; re-export")
         self._pool = SlotPool(self._cuda.slots + 1, row, self._cuda.device_id)
         return active
 
