@@ -72,7 +72,8 @@ class BatchingBackend:
         self.name = f"batched({inner.name})"
         self.active = active or (lambda: 1 << 30)  # how many streams may still join a batch (unknown: wait)
         self.stats = BatchStats()
-        self._queue: list[_Call] = []
+        self._queue: list[_Call] = []  # every waiting call, oldest first
+        self._by_key: dict[tuple[Any, ...], list[_Call]] = {}  # the same calls by key, oldest first
         self._cv = threading.Condition()
         self._closed = False
         self._worker = threading.Thread(target=self._run, name="hift-batcher", daemon=True)
@@ -109,6 +110,7 @@ class BatchingBackend:
             if self._closed:
                 raise RuntimeError("the batching backend is closed")
             self._queue.append(call)
+            self._by_key.setdefault(key, []).append(call)
             self._cv.notify_all()
         call.done.wait()
         if call.error is not None:
@@ -123,13 +125,17 @@ class BatchingBackend:
                     return None
                 if self._queue:
                     oldest = self._queue[0]
-                    group = [c for c in self._queue if c.key == oldest.key][: self.max_batch]
+                    waiting = self._by_key[oldest.key]
                     waited = time.monotonic() - oldest.arrived
                     # Calls of other shapes are waiting too: their streams cannot join this group.
                     could_join = self.active() - len(self._queue)
-                    if len(group) >= self.max_batch or could_join <= 0 or waited >= self.max_wait_s:
-                        for c in group:
-                            self._queue.remove(c)
+                    if len(waiting) >= self.max_batch or could_join <= 0 or waited >= self.max_wait_s:
+                        group = waiting[: self.max_batch]
+                        del waiting[: self.max_batch]
+                        if not waiting:
+                            del self._by_key[oldest.key]
+                        taken = {id(c) for c in group}  # one pass: list.remove per call is quadratic in the batch
+                        self._queue = [c for c in self._queue if id(c) not in taken]
                         return group
                     self._cv.wait(timeout=self.max_wait_s - waited)
                 else:

@@ -97,11 +97,14 @@ class NoiseTable:
                 return np.array(self._table[first:first + count], dtype=np.float32)
             index = (first + np.arange(count, dtype=np.int64)) % self.length
             return np.asarray(self._table[index], dtype=np.float32)
-        first_block, last_block = start // _BLOCK_ROWS, (start + count - 1) // _BLOCK_ROWS
-        blocks = [self._block(b) for b in range(first_block, last_block + 1)]
-        joined = blocks[0] if len(blocks) == 1 else np.concatenate(blocks)
-        offset = start - first_block * _BLOCK_ROWS
-        return joined[offset:offset + count].copy()
+        out = np.empty((count, self.columns), np.float32)
+        done = 0
+        while done < count:  # the needed part of each block, copied once into the caller's own array
+            index, offset = divmod(start + done, _BLOCK_ROWS)
+            take = min(count - done, _BLOCK_ROWS - offset)
+            out[done:done + take] = self._block(index)[offset:offset + take]
+            done += take
+        return out
 
     def _block(self, index: int) -> np.ndarray:
         with self._blocks_lock:
