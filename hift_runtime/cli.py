@@ -45,18 +45,24 @@ def chunk_sizes(schedule: Sequence[int], frames: int) -> list[int]:
     return out
 
 
-def _stream(vocoder: StreamingVocoder, mel: np.ndarray, sizes: Sequence[int], quiet: bool) -> Iterator[np.ndarray]:
+def _chunks_with_progress(mel: np.ndarray, sizes: Sequence[int], quiet: bool) -> Iterator[tuple[np.ndarray, bool]]:
+    """``(chunk, is_last)`` for each size, with a progress bar on stderr (in-process and through a server alike)."""
     from tqdm import tqdm
 
-    stream = vocoder.stream()
     pos = 0
     with tqdm(total=mel.shape[1], unit="frame", disable=quiet, leave=False, file=sys.stderr,
               desc="hift-vocode") as progress:
-        for size in sizes:
-            yield stream.push(mel[:, pos:pos + size])
+        for i, size in enumerate(sizes):
+            yield mel[:, pos:pos + size], i == len(sizes) - 1
             pos += size
             progress.update(size)
-        yield stream.finish()
+
+
+def _stream(vocoder: StreamingVocoder, mel: np.ndarray, sizes: Sequence[int], quiet: bool) -> Iterator[np.ndarray]:
+    stream = vocoder.stream()
+    for chunk, _ in _chunks_with_progress(mel, sizes, quiet):
+        yield stream.push(chunk)
+    yield stream.finish()
 
 
 def _wav_mel(path: str) -> np.ndarray:
@@ -152,8 +158,6 @@ def _via_server(args: argparse.Namespace, schedule: Sequence[int], out: Path, sa
     if given:
         raise UsageError(f"{', '.join(given)} cannot be used with --server: they are the server's settings "
                          f"(see hift-serve --help)")
-    from tqdm import tqdm
-
     from .client import ServerClient
 
     client = ServerClient(args.server)
@@ -163,14 +167,9 @@ def _via_server(args: argparse.Namespace, schedule: Sequence[int], out: Path, sa
             raise UsageError("the mel has no frames: nothing to send")
         sizes = chunk_sizes(schedule, mel.shape[1])
         say(f"hift-vocode: streaming {mel.shape[1]} frames in {len(sizes)} chunks through {args.server}", flush=True)
-        stream, pieces, pos = client.stream(), [], 0
+        stream = client.stream()
         started = time.perf_counter()
-        with tqdm(total=mel.shape[1], unit="frame", disable=args.quiet, leave=False, file=sys.stderr,
-                  desc="hift-vocode") as progress:
-            for i, size in enumerate(sizes):
-                pieces.append(stream.push(mel[:, pos:pos + size], end=i == len(sizes) - 1))
-                pos += size
-                progress.update(size)
+        pieces = [stream.push(chunk, end=last) for chunk, last in _chunks_with_progress(mel, sizes, args.quiet)]
         wall = time.perf_counter() - started
     finally:
         client.close()
