@@ -56,7 +56,8 @@ class _LocalStream:
 class _Served:
     """``hift-serve`` in a child process and a few shared gRPC clients (a channel serves many threads)."""
 
-    def __init__(self, artifacts: str, device: str, max_batch: int, wait_ms: float, log: Path) -> None:
+    def __init__(self, artifacts: str, device: str, max_batch: int, wait_ms: float, log: Path,
+                 instances: int = 1) -> None:
         import socket
         import sys
 
@@ -71,7 +72,7 @@ class _Served:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "hift_runtime.server", "--artifacts", artifacts, "--device", device,
              "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
-             "--max-batch", str(max_batch), "--max-wait-ms", str(wait_ms)],
+             "--max-batch", str(max_batch), "--max-wait-ms", str(wait_ms), "--instances", str(instances)],
             stdout=log.open("w"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 300
         while "ready" not in log.read_text():
@@ -167,6 +168,7 @@ def main() -> None:
                    help="Python's GIL switch interval during the run (default: Python's 5 ms)")
     p.add_argument("--slots", type=int, default=None, help="device cache slots (CudaOptions.slots)")
     p.add_argument("--served-max-batch", type=int, default=256, help="hift-serve --max-batch (served config)")
+    p.add_argument("--served-instances", type=int, default=1, help="hift-serve --instances (served config)")
     p.add_argument("--served-wait-ms", type=float, default=2.0, help="hift-serve --max-wait-ms (served config)")
     args = p.parse_args()
     import onnxruntime as ort
@@ -189,7 +191,7 @@ def main() -> None:
         t0 = time.perf_counter()
         if name == "served":
             vocoder = _Served(args.artifacts, args.device, args.served_max_batch, args.served_wait_ms,
-                              Path(args.out).with_suffix(".served.log"))
+                              Path(args.out).with_suffix(".served.log"), args.served_instances)
         else:
             options = {"batched": (CudaOptions(), True), "batched_tf32": (CudaOptions(use_tf32=True), True),
                        "per_stream": (CudaOptions(), False),

@@ -60,13 +60,14 @@ def make_infer_func(table: StreamTable, sample_rate: int):
 
 
 def bind(triton: Any, table: StreamTable, *, in_channels: int, sample_rate: int, max_batch: int,
-         max_wait_ms: float, model_name: str = wire.MODEL_NAME) -> None:
-    """Bind the streaming vocoder to a started-or-not ``pytriton.triton.Triton`` as ``model_name``."""
+         max_wait_ms: float, model_name: str = wire.MODEL_NAME, instances: int = 1) -> None:
+    """Bind the streaming vocoder to a started-or-not ``pytriton.triton.Triton`` as ``model_name``; ``instances``
+    model instances let Triton run several batches at once (their streams still meet in one step batcher)."""
     from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
 
     triton.bind(
         model_name=model_name,
-        infer_func=make_infer_func(table, sample_rate),
+        infer_func=[make_infer_func(table, sample_rate) for _ in range(instances)],
         inputs=[Tensor(name=wire.STREAM_ID, dtype=bytes, shape=(1,)),
                 Tensor(name=wire.MEL, dtype=np.float32, shape=(in_channels, -1)),
                 Tensor(name=wire.START, dtype=np.bool_, shape=(1,)),
@@ -106,6 +107,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="most requests in one Triton batch, and streams in one batched step (default 64)")
     p.add_argument("--max-wait-ms", type=float, default=2.0,
                    help="how long Triton's batcher and the step batcher wait for more streams (default 2 ms)")
+    p.add_argument("--instances", type=int, default=1,
+                   help="model instances: Triton batches executed at once (default 1)")
     p.add_argument("--max-streams", type=int, default=None,
                    help="open streams at most; a start beyond it is refused (default: no limit)")
     p.add_argument("--idle-timeout-s", type=float, default=60.0,
@@ -143,8 +146,8 @@ def open_table(args: argparse.Namespace) -> tuple[StreamingVocoder, StreamTable]
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.max_batch < 1 or args.max_wait_ms < 0:
-        print("hift-serve: error: --max-batch must be >= 1 and --max-wait-ms >= 0", file=sys.stderr)
+    if args.max_batch < 1 or args.max_wait_ms < 0 or args.instances < 1:
+        print("hift-serve: error: --max-batch and --instances must be >= 1 and --max-wait-ms >= 0", file=sys.stderr)
         return 2
     try:
         from pytriton.triton import Triton, TritonConfig
@@ -177,7 +180,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with Triton(config=config) as triton:
             bind(triton, table, in_channels=constants.in_channels, sample_rate=constants.sample_rate,
-                 max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, model_name=args.model_name)
+                 max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, model_name=args.model_name,
+                 instances=args.instances)
             print(f"hift-serve: model {args.model_name!r} ready (generator on {vocoder.backend.name}): "
                   f"gRPC {args.host}:{args.grpc_port}, HTTP {args.host}:{args.http_port}, metrics "
                   f"http://{args.host}:{args.metrics_port}/metrics; Triton log {log_file}", flush=True)

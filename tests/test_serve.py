@@ -121,10 +121,11 @@ def server(small_artifacts, tmp_path_factory):
     pytest.importorskip("pytriton", reason="hift-serve needs the [serve] extra (nvidia-pytriton)")
     http, grpc, metrics = _free_ports(3)
     log = tmp_path_factory.mktemp("serve") / "hift-serve.log"
-    # A long batcher wait so the 8 test clients are seen in shared batches on a busy 2-core machine.
+    # A long batcher wait so the 8 test clients are seen in shared batches on a busy 2-core machine; two model
+    # instances, so Triton runs batches side by side (their streams meet in one step batcher).
     cmd = [sys.executable, "-m", "hift_runtime.server", "--artifacts", str(small_artifacts.out), "--device", "cpu",
            "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--max-batch", "8",
-           "--max-wait-ms", "20", "--triton-log", str(log.with_suffix(".triton.log"))]
+           "--max-wait-ms", "20", "--instances", "2", "--triton-log", str(log.with_suffix(".triton.log"))]
     env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}  # hift-serve must set it itself
     with open(log, "w") as out:
         process = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, text=True)
