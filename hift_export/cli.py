@@ -28,6 +28,11 @@ def _parser() -> argparse.ArgumentParser:
                         "upstream's float64 F0 exactly (default); fp32 is ~20%% faster but its length-dependent "
                         "rounding makes streamed audio differ from one pass by ~1e-3 (50 dB)")
     p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="seed of the random default weights")
+    p.add_argument("--triton-repo", help="also write a Triton model repository (onnxruntime backend, sequence "
+                                         "batching, caches as implicit state) into this folder")
+    p.add_argument("--triton-max-batch", type=int, default=64, help="max_batch_size of the Triton models (default 64)")
+    p.add_argument("--noise-seed", type=int, default=0,
+                   help="seed of the noise the Triton generator model computes in-graph (default 0, as the runtime's)")
     p.add_argument("--reduced", action="store_true", help=argparse.SUPPRESS)  # narrow test config
     return p
 
@@ -39,8 +44,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .export import ExportError, export_artifacts
 
         config = COSYVOICE3.reduced() if args.reduced else COSYVOICE3
+        if "onnx" not in formats and args.triton_repo:
+            raise ValueError("--triton-repo needs the onnx format (it is built from the ONNX step graphs)")
         export_artifacts(args.checkpoint, args.out, formats=formats, opset=args.opset, f0_precision=args.f0_precision,
                          config=config, seed=args.seed)
+        if args.triton_repo:
+            from pathlib import Path
+
+            from hift_runtime.manifest import read_manifest
+
+            from .triton_repo import write_triton_repository
+
+            write_triton_repository(read_manifest(args.out), Path(args.triton_repo),
+                                    max_batch=args.triton_max_batch, noise_seed=args.noise_seed)
     except (CheckpointError, ExportError, ValueError, OSError) as exc:
         print(f"hift-export: error: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,188 @@
+"""The Triton model repository (``hift-export --triton-repo``): every config.pbtxt parses with Triton's model-config
+protobuf, and the ONNX models, driven with ONNX Runtime exactly as Triton's sequence batcher drives them (zero state
+at START, each state output fed back as the next input, START and END flags, interleaved sequences in one batch),
+give the offline pass. No tritonserver with the onnxruntime backend runs here, so this is the whole check."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from hift_runtime import open_vocoder
+from hift_runtime.batching import BatchingBackend
+from hift_runtime.manifest import read_manifest
+from hift_runtime.streaming import StreamingVocoder
+
+from .conftest import max_abs, run_in_threads
+from .test_streaming import random_mel, stream_all
+
+# The repository computes what the runtime computes (the same step graphs; its noise hash is exact integer
+# arithmetic): the offline pass's own tolerance for streamed audio.
+REPO_TOLERANCE = 1e-6
+
+
+@pytest.fixture(scope="module")
+def repo(small_artifacts, tmp_path_factory):
+    from hift_export.triton_repo import write_triton_repository
+
+    out = tmp_path_factory.mktemp("triton") / "repo"
+    write_triton_repository(read_manifest(small_artifacts.out), out, max_batch=8, log=lambda _: None)
+    return out
+
+
+def _pb():
+    from tritonclient.grpc import model_config_pb2
+
+    return model_config_pb2
+
+
+def _config(path: Path):
+    from google.protobuf import text_format
+
+    config = _pb().ModelConfig()
+    text_format.Parse(path.read_text(), config)
+    return config
+
+
+def test_configs_parse_and_match_the_manifest(repo, small_artifacts):
+    manifest = read_manifest(small_artifacts.out)
+    step = manifest.step
+    gen, f0 = _config(repo / "hift_generator" / "config.pbtxt"), _config(repo / "hift_f0" / "config.pbtxt")
+    assert gen.backend == f0.backend == "onnxruntime" and gen.max_batch_size == 8
+    assert gen.instance_group[0].kind == gen.instance_group[0].KIND_GPU
+    assert f0.instance_group[0].kind == f0.instance_group[0].KIND_CPU
+    assert gen.sequence_batching.HasField("oldest") and f0.sequence_batching.HasField("oldest")
+    controls = {c.name: c.control[0].kind for c in gen.sequence_batching.control_input}
+    kinds = gen.sequence_batching.control_input[0].control[0]
+    assert controls == {"first": kinds.CONTROL_SEQUENCE_START, "end": kinds.CONTROL_SEQUENCE_END}
+    # Every cache an implicit state, named, shaped and typed as the manifest's layout, starting at zeros.
+    states = {s.input_name: s for s in gen.sequence_batching.state}
+    for entry in step["generator_caches"]:
+        state = states["cache." + entry["name"]]
+        assert state.output_name == "next." + entry["name"] and list(state.dims) == entry["shape"]
+        assert state.initial_state[0].zero_data and state.data_type == _pb().TYPE_FP32
+    assert set(states) == {"cache." + e["name"] for e in step["generator_caches"]} | {"phase_in", "position"}
+    f0_states = {s.input_name: s for s in f0.sequence_batching.state}
+    assert {k: list(v.dims) for k, v in f0_states.items()} == {"cache." + e["name"]: e["shape"]
+                                                               for e in step["f0_caches"]}
+    # The graphs take exactly the declared inputs, states and controls.
+    for name, config in (("hift_generator", gen), ("hift_f0", f0)):
+        session = ort.InferenceSession(str(repo / name / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
+        declared = ({i.name for i in config.input} | {s.input_name for s in config.sequence_batching.state}
+                    | {c.name for c in config.sequence_batching.control_input})
+        assert {i.name for i in session.get_inputs()} == declared, name
+        outputs = {o.name for o in session.get_outputs()}
+        assert {o.name for o in config.output} | {s.output_name for s in config.sequence_batching.state} == outputs
+
+
+class _Sequence:
+    """One Triton sequence's implicit state, as the server keeps it between requests."""
+
+    def __init__(self) -> None:
+        self.state: dict[str, dict[str, np.ndarray]] = {"f0": {}, "generator": {}}
+
+
+class SequenceBatcherEmulator:
+    """The runtime's backend interface over the repository's two models, requests batched and states kept the way
+    Triton's sequence batcher does: a state starts at zeros with START, each output is the next request's input."""
+
+    name = "triton-repo(emulated)"
+
+    def __init__(self, repo: Path) -> None:
+        self.sessions = {kind: ort.InferenceSession(str(repo / model / "1" / "model.onnx"),
+                                                    providers=["CPUExecutionProvider"])
+                         for kind, model in (("f0", "hift_f0"), ("generator", "hift_generator"))}
+        self.states = {kind: {s.input_name: s for s in _config(repo / model / "config.pbtxt").sequence_batching.state}
+                       for kind, model in (("f0", "hift_f0"), ("generator", "hift_generator"))}
+        self.requests = 0
+
+    def new_caches(self, kind: str, batch: int = 1):
+        return _Sequence()
+
+    def _run(self, kind, feed, sequences, start):
+        dtypes = {"TYPE_FP32": np.float32, "TYPE_FP64": np.float64, "TYPE_INT64": np.int64}
+        for name, state in self.states[kind].items():
+            rows = []
+            for seq, fresh in zip(sequences, start):
+                value = None if fresh else seq.state[kind].get(name)
+                if value is None:  # a sequence's first request: the initial state (zeros)
+                    value = np.zeros((1, *state.dims), dtypes[_pb().DataType.Name(state.data_type)])
+                rows.append(value)
+            feed[name] = np.concatenate(rows)
+        session = self.sessions[kind]
+        names = [o.name for o in session.get_outputs()]
+        out = dict(zip(names, session.run(names, feed)))
+        for i, seq in enumerate(sequences):
+            seq.state[kind] = {name: out[state.output_name][i:i + 1] for name, state in self.states[kind].items()}
+        self.requests += len(sequences)
+        return out
+
+    def f0_step(self, mel, sequences):
+        rows = sequences if isinstance(sequences, list) else [sequences]  # the batcher passes a list
+        out = self._run("f0", {"mel": mel}, rows, [not s.state["f0"] for s in rows])
+        return out["f0"], sequences
+
+    def generator_step(self, mel, f0, noise, phase_in, first, sequences, final):
+        handles = sequences
+        sequences = sequences if isinstance(sequences, list) else [sequences]
+        rows = mel.shape[0]
+        if final:  # a final request carries zeros where a step has look-ahead (the model reads the first c frames)
+            mel = np.concatenate([mel, np.zeros((rows, mel.shape[1], 4), np.float32)], axis=2)
+            f0 = np.concatenate([f0, np.zeros((rows, 1), np.float32)], axis=1)
+        frames = f0.shape[1] - 1
+        out = self._run("generator", {"mel": mel, "f0": f0, "first": first, "end": np.full((rows, 1), final)},
+                        sequences, list(first[:, 0]))
+        # The runtime's contract: the step's audio including the frame before the utterance on a first step.
+        width = 480 * (frames + (1 if final else 0))
+        audio = np.zeros((rows, width), np.float32)
+        for i in range(rows):
+            got = out["audio_out"][i, :int(out["samples"][i, 0])]
+            audio[i, width - got.shape[0]:] = got
+        return audio, out["phase_state"], None if final else handles
+
+
+def test_repository_driven_like_the_sequence_batcher_equals_offline(repo, small_artifacts):
+    offline = open_vocoder(small_artifacts.out, device="cpu")
+    emulator = SequenceBatcherEmulator(repo)
+    vocoder = StreamingVocoder(emulator, offline.constants, step_sizes=(24, 16, 8, 4, 2, 1))
+    vocoder.backend = BatchingBackend(emulator, max_batch=8, max_wait_s=0.01, active=lambda: vocoder.active_pushes)
+    rng = np.random.default_rng(12)
+    mels = [random_mel(int(rng.integers(3, 90)), seed=40 + i) for i in range(6)]
+    schedules = [[int(x) for x in rng.integers(1, 30, 6)] + [500] for _ in range(6)]
+    results = run_in_threads(lambda i: np.concatenate(stream_all(vocoder, mels[i], schedules[i])[0]), range(6))
+    for mel, audio in zip(mels, results):
+        assert max_abs(audio, offline.vocode(mel)) <= REPO_TOLERANCE
+    stats = vocoder.backend.stats
+    assert stats.max_batch > 1  # interleaved sequences shared requests' batches
+
+
+def test_in_graph_noise_equals_the_runtime_table(repo):
+    """The generator model's noise rows (counter-based, from the position state) are the runtime's NoiseTable rows,
+    bit for bit, including past the table's wrap."""
+    import onnx
+    from onnx import helper
+
+    from hift_runtime.noise import NoiseTable
+
+    model = onnx.load(str(repo / "hift_generator" / "1" / "model.onnx"), load_external_data=False)
+    model.graph.output.append(helper.make_tensor_value_info("noise", onnx.TensorProto.FLOAT, None))
+    del model.graph.node[[n.output[0] for n in model.graph.node].index("noise") + 1:]
+    keep = {"f0", "position"}
+    inputs = [i for i in model.graph.input if i.name in keep]
+    del model.graph.input[:]
+    model.graph.input.extend(inputs)
+    del model.graph.output[:]
+    model.graph.output.append(helper.make_tensor_value_info("noise", onnx.TensorProto.FLOAT, None))
+    used = {name for node in model.graph.node for name in node.input}
+    kept = [t for t in model.graph.initializer if t.name in used]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    table = NoiseTable.seeded(0, 7_200_000, 9)
+    for position in (0, 3, 14_999, 15_000, 123_457):
+        noise = session.run(None, {"f0": np.zeros((1, 5), np.float32),
+                                   "position": np.array([[position]], np.int64)})[0]
+        np.testing.assert_array_equal(noise[0], table.rows(position * 480, 5 * 480), err_msg=str(position))
