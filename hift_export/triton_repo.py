@@ -13,8 +13,8 @@ Two sequence models, both with Triton's ``sequence_batching`` (the ``oldest`` st
   dropped on the first step).
 
 A client drives them as the runtime's bookkeeping drives its backend (``hift_runtime/streaming.py``): F0 steps on the
-mel with its look-ahead, generator steps on the mel and F0 with theirs. The final step is computed for every row of a
-batch and kept where ``END`` is set (a batch pays for it; an ``If`` over the batch would skip it when no row ends).
+mel with its look-ahead, generator steps on the mel and F0 with theirs. The final step runs, for the whole batch, only when
+some row of it ends (an ``If`` over the batch), and is kept where ``END`` is set.
 """
 
 from __future__ import annotations
@@ -139,7 +139,27 @@ def sequence_generator(step: Any, final: Any, spf: int, seed: int, length: int, 
                 if name:
                     field[k] = rename.setdefault(name, "final/" + name)
         final_nodes.append(copy)
-    final_audio, final_phase = rename["audio"], rename["phase_out"]
+    # The final step runs only when some row of the batch ends (an If over the batch); otherwise its outputs are the
+    # step's, padded (no row reads them then).
+    padded = b.op("Concat", ["audio", b.op("ConstantOfShape", [b.op("Concat", [
+        b.op("Slice", [b.op("Shape", ["mel"]), b.const(np.array([0], np.int64)), b.const(np.array([1], np.int64))]),
+        b.const(np.array([spf], np.int64))], axis=0)], value=numpy_helper.from_array(np.zeros(1, np.float32)))],
+                  axis=1)
+    any_end = b.op("Cast", [b.op("ReduceMax", [b.op("Cast", [END], to=TensorProto.INT64)], keepdims=0)],
+                   to=TensorProto.BOOL)
+    then_graph = helper.make_graph(
+        final_nodes + [helper.make_node("Identity", [rename["audio"]], ["final.audio"]),
+                       helper.make_node("Identity", [rename["phase_out"]], ["final.phase"])],
+        "final_step", [], [helper.make_tensor_value_info("final.audio", TensorProto.FLOAT, None),
+                           helper.make_tensor_value_info("final.phase", TensorProto.DOUBLE, None)])
+    else_graph = helper.make_graph(
+        [helper.make_node("Identity", [padded], ["skip.audio"]),
+         helper.make_node("Identity", ["phase_out"], ["skip.phase"])],
+        "no_final_step", [], [helper.make_tensor_value_info("skip.audio", TensorProto.FLOAT, None),
+                              helper.make_tensor_value_info("skip.phase", TensorProto.DOUBLE, None)])
+    final_audio, final_phase = "seq/final_audio", "seq/final_phase"
+    b.nodes.append(helper.make_node("If", [any_end], [final_audio, final_phase], name="seq/final_if",
+                                    then_branch=then_graph, else_branch=else_graph))
     # Outputs: the row's audio (padded to c+1 frames), with the samples before the utterance dropped on its first
     # step, the final step's where END; how many samples are real.
     zeros = b.op("ConstantOfShape", [b.op("Concat", [b.op("Slice", [b.op("Shape", ["mel"]),
@@ -167,7 +187,7 @@ def sequence_generator(step: Any, final: Any, spf: int, seed: int, length: int, 
     tail += [helper.make_node("Identity", [audio], ["audio_out"]), helper.make_node("Identity", [samples], [SAMPLES]),
              helper.make_node("Identity", [phase], ["phase_state"]),
              helper.make_node("Identity", [position_out], [POSITION_OUT])]
-    nodes = head + list(g.node) + final_nodes + tail
+    nodes = head + list(g.node) + tail
     del g.node[:]
     g.node.extend(nodes)
     g.initializer.extend(b.inits)
