@@ -139,12 +139,13 @@ def sequence_generator(step: Any, final: Any, spf: int, seed: int, length: int, 
                 if name:
                     field[k] = rename.setdefault(name, "final/" + name)
         final_nodes.append(copy)
+    # One frame of zeros per row: the step's audio padded to the final step's length, and the fill after a shift.
+    batch = b.op("Slice", [b.op("Shape", ["mel"]), b.const(np.array([0], np.int64)), b.const(np.array([1], np.int64))])
+    zeros = b.op("ConstantOfShape", [b.op("Concat", [batch, b.const(np.array([spf], np.int64))], axis=0)],
+                 value=numpy_helper.from_array(np.zeros(1, np.float32)))
+    padded = b.op("Concat", ["audio", zeros], axis=1)
     # The final step runs only when some row of the batch ends (an If over the batch); otherwise its outputs are the
     # step's, padded (no row reads them then).
-    padded = b.op("Concat", ["audio", b.op("ConstantOfShape", [b.op("Concat", [
-        b.op("Slice", [b.op("Shape", ["mel"]), b.const(np.array([0], np.int64)), b.const(np.array([1], np.int64))]),
-        b.const(np.array([spf], np.int64))], axis=0)], value=numpy_helper.from_array(np.zeros(1, np.float32)))],
-                  axis=1)
     any_end = b.op("Cast", [b.op("ReduceMax", [b.op("Cast", [END], to=TensorProto.INT64)], keepdims=0)],
                    to=TensorProto.BOOL)
     then_graph = helper.make_graph(
@@ -162,11 +163,6 @@ def sequence_generator(step: Any, final: Any, spf: int, seed: int, length: int, 
                                     then_branch=then_graph, else_branch=else_graph))
     # Outputs: the row's audio (padded to c+1 frames), with the samples before the utterance dropped on its first
     # step, the final step's where END; how many samples are real.
-    zeros = b.op("ConstantOfShape", [b.op("Concat", [b.op("Slice", [b.op("Shape", ["mel"]),
-                                                                      b.const(np.array([0], np.int64)),
-                                                                      b.const(np.array([1], np.int64))]),
-                                                     b.const(np.array([spf], np.int64))], axis=0)],
-                 value=numpy_helper.from_array(np.zeros(1, np.float32)))
     lag = b.const(np.array([spf], np.int64))
     big = b.const(np.array([1 << 62], np.int64))
     ax1 = b.const(np.array([1], np.int64))
@@ -175,7 +171,7 @@ def sequence_generator(step: Any, final: Any, spf: int, seed: int, length: int, 
         shifted = b.op("Concat", [b.op("Slice", [audio, lag, big, ax1]), zeros], axis=1)
         return b.op("Where", ["first", shifted, audio])
 
-    stream_audio = drop_first(b.op("Concat", ["audio", zeros], axis=1))
+    stream_audio = drop_first(padded)
     audio = b.op("Where", [END, drop_first(final_audio), stream_audio])
     per_frame = b.const(np.array(spf, np.int64))
     samples = b.op("Sub", [b.op("Add", [b.op("Mul", [frames, per_frame]),
