@@ -6,7 +6,8 @@
 
 Per K: push latency p50/p95/p99 (from each push's due time to its return, so falling behind counts), first-chunk
 latency, throughput (audio seconds produced per wall second), GPU memory. The bound is p95 <= 240 ms (half a chunk);
-the ramp goes on past a miss (larger batches can catch up) and stops at a collapse (p95 > 2.4 s) or an error. Configs: ``batched`` (the default on the GPU: cross-stream batching + CUDA graphs per step size
+the ramp goes on past a miss (larger batches can catch up) and stops at a collapse (p95 > 2.4 s) or an error.
+Configs: ``batched`` (the default on the GPU: cross-stream batching + CUDA graphs per step size
 and batch), ``batched_tf32`` (the same with TF32), ``per_stream`` (no batching: each stream's step is its own B = 1
 call, the landed path's shape), ``served`` (the ``batched`` runtime behind ``hift-serve``, started by this script on
 free localhost ports; each stream is a gRPC client stream, its last chunk carrying ``end``; the Triton batcher and

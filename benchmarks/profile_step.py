@@ -47,7 +47,8 @@ def profile(session_path: Path, feed: dict[str, np.ndarray], providers: list[Any
             by_op[op][0] += e["dur"] / runs
             nodes[op].add(e["name"])
     top = sorted(by_op.items(), key=lambda kv: -kv[1][0])
-    return {"wall_ms_median": round(float(np.median(walls)), 3), "kernel_us_per_run": round(sum(v[0] for v in by_op.values()), 1),
+    return {"wall_ms_median": round(float(np.median(walls)), 3),
+            "kernel_us_per_run": round(sum(v[0] for v in by_op.values()), 1),
             "providers": session.get_providers(),
             "by_op": {op: {"us_per_run": round(v[0], 1), "nodes": len(nodes[op])} for op, v in top}}
 
@@ -87,7 +88,8 @@ def main() -> None:
               "plain": profile(manifest.path(GENERATOR_STEP), {**feed, **caches}, providers, args.runs),
               "slots": profile(manifest.path(GENERATOR_STEP_SLOTS), {**feed, **slots}, providers, args.runs)}
     plain, slot = result["plain"]["by_op"], result["slots"]["by_op"]
-    result["slots_minus_plain_us"] = {op: round(slot.get(op, {}).get("us_per_run", 0) - plain.get(op, {}).get("us_per_run", 0), 1)
+    us = lambda table, op: table.get(op, {}).get("us_per_run", 0)  # noqa: E731
+    result["slots_minus_plain_us"] = {op: round(us(slot, op) - us(plain, op), 1)
                                       for op in sorted(set(plain) | set(slot))}
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     for form in ("plain", "slots"):

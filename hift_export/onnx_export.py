@@ -215,7 +215,8 @@ def export_onnx(hift: HiFT, staging: Path, opset: int, f0_dtype: str, step_contr
         onnx.checker.check_model(str(path))
         entries[role] = {
             "file": path.name, "format": "onnx", "execution_provider": provider,
-            "final": role in (GENERATOR_STEP_FINAL, GENERATOR_STEP_FINAL_SLOTS), "inputs": value_info(model.graph.input),
+            "final": role in (GENERATOR_STEP_FINAL, GENERATOR_STEP_FINAL_SLOTS),
+            "inputs": value_info(model.graph.input),
             "outputs": value_info(model.graph.output), "nodes": len(model.graph.node), "op_types": op_types(model),
         }
         if role != F0_STEP:

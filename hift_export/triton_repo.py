@@ -13,8 +13,8 @@ Two sequence models, both with Triton's ``sequence_batching`` (the ``oldest`` st
   dropped on the first step).
 
 A client drives them as the runtime's bookkeeping drives its backend (``hift_runtime/streaming.py``): F0 steps on the
-mel with its look-ahead, generator steps on the mel and F0 with theirs. The final step runs, for the whole batch, only when
-some row of it ends (an ``If`` over the batch), and is kept where ``END`` is set.
+mel with its look-ahead, generator steps on the mel and F0 with theirs. The final step runs, for the whole batch, only
+when some row of it ends (an ``If`` over the batch), and is kept where ``END`` is set.
 """
 
 from __future__ import annotations
@@ -61,13 +61,11 @@ class _Builder:
         return out
 
 
-def _noise(b: _Builder, position: str, f0: str, seed: int, length: int, columns: int, spf: int) -> str:
-    """Noise rows ``[B, spf * len(f0), columns]`` of a step starting at frame ``position`` (``[B, 1]`` int64), equal
-    to ``NoiseTable.seeded(seed, length, columns).rows(position * spf, spf * len(f0))``."""
+def _noise(b: _Builder, position: str, steps: str, seed: int, length: int, columns: int, spf: int) -> str:
+    """Noise rows ``[B, spf * steps, columns]`` of a step of ``steps`` frames (``[1]`` int64) starting at frame
+    ``position`` (``[B, 1]`` int64), equal to ``NoiseTable.seeded(seed, length, columns).rows(position * spf, ...)``."""
     from onnx import TensorProto
 
-    one = b.const(np.array([1], np.int64))
-    steps = b.op("Gather", [b.op("Shape", [f0]), one], axis=0)  # [1]: c + 1
     count = b.op("Mul", [steps, b.const(np.array([spf], np.int64))])
     rows = b.op("Range", [b.const(np.array(0, np.int64)), b.op("Squeeze", [count]), b.const(np.array(1, np.int64))])
     absolute = b.op("Add", [b.op("Mul", [position, b.const(np.array(spf, np.int64))]), rows])  # [B, n]
@@ -109,9 +107,9 @@ def sequence_generator(step: Any, final: Any, spf: int, seed: int, length: int, 
     g.input.extend([v for name, v in inputs.items() if name != "noise"]
                    + [helper.make_tensor_value_info(END, TensorProto.BOOL, ["batch", 1]),
                       helper.make_tensor_value_info(POSITION, TensorProto.INT64, ["batch", 1])])
-    noise = _noise(b, POSITION, "f0", seed, length, columns, spf)
-    b.nodes.append(helper.make_node("Identity", [noise], ["noise"], name="seq/noise"))  # what the step's nodes read
     steps = b.op("Gather", [b.op("Shape", ["f0"]), b.const(np.array([1], np.int64))], axis=0)  # [1]: c + 1
+    noise = _noise(b, POSITION, steps, seed, length, columns, spf)
+    b.nodes.append(helper.make_node("Identity", [noise], ["noise"], name="seq/noise"))  # what the step's nodes read
     frames = b.op("Sub", [steps, b.const(np.array([1], np.int64))])  # [1]: c
     head = list(b.nodes)
     b.nodes.clear()
@@ -223,7 +221,8 @@ def config_pbtxt(model: str, layout: list[dict[str, Any]], *, generator: bool, m
                   "output [{ name: \"f0\" data_type: TYPE_FP32 dims: [-1] }]",
                   "instance_group [{ kind: KIND_CPU count: 1 }]"]
     seq = [f"sequence_batching {{\n  max_sequence_idle_microseconds: {idle_us}\n",
-           f"  oldest {{ max_candidate_sequences: {4 * max_batch} max_queue_delay_microseconds: {max_queue_delay_us} }}\n"]
+           f"  oldest {{ max_candidate_sequences: {4 * max_batch} "
+           f"max_queue_delay_microseconds: {max_queue_delay_us} }}\n"]
     if generator:
         seq.append("  control_input [{ name: \"first\" control [{ kind: CONTROL_SEQUENCE_START "
                    "bool_false_true: [false, true] }] }, { name: \"end\" control [{ kind: CONTROL_SEQUENCE_END "

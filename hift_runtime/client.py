@@ -80,11 +80,12 @@ class ServerClient:
                                         **self._timeout())
         except Exception as exc:  # noqa: BLE001 - a transport or Triton error
             raise ServerError(f"{self.url}: {_short(exc)}") from None
-        error = _first(result.as_numpy(wire.ERROR))
+        error = wire.first_value(result.as_numpy(wire.ERROR))
         if error:
             raise ServerError(error.decode() if isinstance(error, bytes) else str(error))
-        samples = int(_first(result.as_numpy(wire.SAMPLES)))
-        return result.as_numpy(wire.AUDIO).reshape(-1)[:samples].copy(), int(_first(result.as_numpy(wire.SAMPLE_RATE)))
+        samples = int(wire.first_value(result.as_numpy(wire.SAMPLES)))
+        rate = int(wire.first_value(result.as_numpy(wire.SAMPLE_RATE)))
+        return result.as_numpy(wire.AUDIO).reshape(-1)[:samples].copy(), rate
 
     def _timeout(self) -> dict[str, Any]:
         return {"client_timeout": self.timeout_s} if self.protocol == "grpc" else {}
@@ -109,10 +110,6 @@ class RemoteStream:
         self._started = True
         self._ended = end
         return audio
-
-
-def _first(value: Any) -> Any:
-    return np.asarray(value).reshape(-1)[0]
 
 
 def _short(exc: BaseException) -> str:

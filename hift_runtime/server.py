@@ -32,14 +32,11 @@ from .sessions import nvidia_driver_present
 from .streaming import StreamingVocoder
 
 
-def _first(value: np.ndarray) -> Any:
-    return value.reshape(-1)[0]
-
-
 def _request(data: dict[str, np.ndarray]) -> ChunkRequest:
-    sid = _first(data[wire.STREAM_ID])
+    sid = wire.first_value(data[wire.STREAM_ID])
     sid = sid.decode("utf-8", "replace") if isinstance(sid, bytes) else str(sid)
-    return ChunkRequest(sid, data[wire.MEL][0], bool(_first(data[wire.START])), bool(_first(data[wire.END])))
+    start, end = (bool(wire.first_value(data[name])) for name in (wire.START, wire.END))
+    return ChunkRequest(sid, data[wire.MEL][0], start, end)
 
 
 def make_infer_func(table: StreamTable, sample_rate: int):

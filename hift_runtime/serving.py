@@ -14,6 +14,7 @@ import collections
 import concurrent.futures
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -57,6 +58,7 @@ class StreamTable:
         self._streams: dict[str, VocoderStream] = {}
         self._closed: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._lock = threading.Lock()
+        self._next_reap = 0.0
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="hift-stream")
 
     @property
@@ -134,8 +136,11 @@ class StreamTable:
                     self._closed.popitem(last=False)
 
     def _expire_idle(self) -> None:
-        if self.vocoder.idle_timeout_s is None:
+        timeout = self.vocoder.idle_timeout_s
+        # Looking at every open stream is O(streams): not on every batch, but often enough for the timeout's scale.
+        if timeout is None or time.monotonic() < self._next_reap:
             return
+        self._next_reap = time.monotonic() + min(1.0, timeout / 2)
         self.vocoder.reap()  # streams also expire when another one opens: look at every stream, not the count
         with self._lock:
             expired = [sid for sid, s in self._streams.items() if s.expired]

@@ -185,11 +185,22 @@ class SlotPool:
     def in_use(self) -> int:
         return self.rows - 1 - len(self._free)
 
+    def bind(self, binding: Any, device_id: int, write: bool) -> None:
+        """Bind the pool as a graph's ``pool`` input and, when the graph writes it, as its ``pool_out`` in place."""
+        shape, ptr = [self.rows, self.row_floats], self.value.data_ptr()
+        binding.bind_input("pool", "cuda", device_id, np.float32, shape, ptr)
+        if write:
+            binding.bind_output(POOL_OUTPUT, "cuda", device_id, np.float32, shape, ptr)
+
+
+def _slots(caches: Any) -> list[Slot]:
+    """A step's streams' slots: one :class:`Slot`, or a list of them from the batcher."""
+    return caches if isinstance(caches, list) else [caches]
+
 
 def _slot_indices(caches: Any, batch: int) -> np.ndarray:
-    """The pool rows of a step's streams (one :class:`Slot` or a list of them, from the batcher), padded with the
-    scratch row 0 up to ``batch``."""
-    slots = caches if isinstance(caches, list) else [caches]
+    """The pool rows of a step's streams, padded with the scratch row 0 up to ``batch``."""
+    slots = _slots(caches)
     for slot in slots:
         if slot.broken:
             raise StreamError("this stream's device caches were lost in a failed step; open a new stream")
@@ -219,9 +230,7 @@ class _SlotStep:
             self.binding.bind_ortvalue_input(k, v)
         for k, v in self.outputs.items():
             self.binding.bind_ortvalue_output(k, v)
-        shape = [pool.rows, pool.row_floats]
-        self.binding.bind_input("pool", "cuda", device_id, np.float32, shape, pool.value.data_ptr())
-        self.binding.bind_output(POOL_OUTPUT, "cuda", device_id, np.float32, shape, pool.value.data_ptr())
+        pool.bind(self.binding, device_id, write=True)
         self.options = ort.RunOptions()
         self.options.add_run_config_entry("gpu_graph_id", str(graph_id))
         self.captured = False
@@ -241,12 +250,9 @@ def _run_slots(session: ort.InferenceSession, feed: dict[str, np.ndarray], slots
     binding = session.io_binding()
     for k, v in {**feed, "slots": slots}.items():
         binding.bind_cpu_input(k, np.ascontiguousarray(v))
-    shape = [pool.rows, pool.row_floats]
-    binding.bind_input("pool", "cuda", device_id, np.float32, shape, pool.value.data_ptr())
     for name in ("audio", "phase_out"):  # bound first: get_outputs() keeps the binding order
         binding.bind_output(name, "cpu")
-    if any(o.name == POOL_OUTPUT for o in session.get_outputs()):
-        binding.bind_output(POOL_OUTPUT, "cuda", device_id, np.float32, shape, pool.value.data_ptr())
+    pool.bind(binding, device_id, write=any(o.name == POOL_OUTPUT for o in session.get_outputs()))
     session.run_with_iobinding(binding, options)
     audio, phase = binding.get_outputs()[:2]
     return audio.numpy(), phase.numpy()
@@ -432,7 +438,7 @@ class OrtBackend:
             return audio[:rows], phase[:rows]
         except Exception:
             if not final:  # the step may have written these rows before it failed: their streams cannot go on
-                for slot in caches if isinstance(caches, list) else [caches]:
+                for slot in _slots(caches):
                     slot.broken = True
             raise
 

@@ -16,6 +16,10 @@ streams' requests batched with it; the client raises them as :class:`ServerError
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
+
 MODEL_NAME = "hift_vocoder"
 # The client also sends the stream id as this request header (HTTP header / gRPC metadata): what a load balancer in
 # front of several servers hashes to keep a stream on the server that holds its state.
@@ -27,3 +31,8 @@ DEFAULT_HTTP_PORT, DEFAULT_GRPC_PORT, DEFAULT_METRICS_PORT = 8000, 8001, 8002
 
 class ServerError(RuntimeError):
     """The server refused a request (its message says why) or could not be reached."""
+
+
+def first_value(tensor: Any) -> Any:
+    """The single value of a ``[1]`` tensor as it arrives (with its batch axis: ``[1, 1]``)."""
+    return np.asarray(tensor).reshape(-1)[0]

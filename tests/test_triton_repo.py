@@ -24,6 +24,7 @@ from .test_streaming import random_mel, stream_all
 # The repository computes what the runtime computes (the same step graphs; its noise hash is exact integer
 # arithmetic): the offline pass's own tolerance for streamed audio.
 REPO_TOLERANCE = 1e-6
+STATE_DTYPES = {"TYPE_FP32": np.float32, "TYPE_FP64": np.float64, "TYPE_INT64": np.int64}
 
 
 @pytest.fixture(scope="module")
@@ -105,13 +106,12 @@ class SequenceBatcherEmulator:
         return _Sequence()
 
     def _run(self, kind, feed, sequences, start):
-        dtypes = {"TYPE_FP32": np.float32, "TYPE_FP64": np.float64, "TYPE_INT64": np.int64}
         for name, state in self.states[kind].items():
             rows = []
             for seq, fresh in zip(sequences, start):
                 value = None if fresh else seq.state[kind].get(name)
                 if value is None:  # a sequence's first request: the initial state (zeros)
-                    value = np.zeros((1, *state.dims), dtypes[_pb().DataType.Name(state.data_type)])
+                    value = np.zeros((1, *state.dims), STATE_DTYPES[_pb().DataType.Name(state.data_type)])
                 rows.append(value)
             feed[name] = np.concatenate(rows)
         session = self.sessions[kind]
@@ -193,15 +193,15 @@ def test_in_graph_noise_equals_the_runtime_table(repo):
 def test_a_batch_mixing_ending_and_continuing_rows_equals_each_row_alone(repo):
     """Triton's sequence batcher puts a sequence's END request beside other sequences' steps: each row of such a batch
     is what the same request gives alone (the final step runs for the batch, and is kept only where END is set)."""
-    session = ort.InferenceSession(str(repo / "hift_generator" / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(str(repo / "hift_generator" / "1" / "model.onnx"),
+                                   providers=["CPUExecutionProvider"])
     states = {s.input_name: s for s in _config(repo / "hift_generator" / "config.pbtxt").sequence_batching.state}
     rng = np.random.default_rng(5)
-    dtypes = {"TYPE_FP32": np.float32, "TYPE_FP64": np.float64, "TYPE_INT64": np.int64}
     feed = {"mel": rng.standard_normal((3, 80, 10)).astype(np.float32) - 5,
             "f0": (rng.random((3, 7)) * 200).astype(np.float32),
             "first": np.array([[False], [True], [False]]), "end": np.array([[True], [False], [False]])}
     for name, state in states.items():
-        kind = dtypes[_pb().DataType.Name(state.data_type)]
+        kind = STATE_DTYPES[_pb().DataType.Name(state.data_type)]
         value = rng.integers(0, 500, (3, *state.dims)) if kind is np.int64 else rng.standard_normal((3, *state.dims))
         feed[name] = (value * (0.05 if kind is np.float32 else 1)).astype(kind)
     names = [o.name for o in session.get_outputs()]
