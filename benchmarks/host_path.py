@@ -46,14 +46,53 @@ class InstantDevice:
         return audio, phase_in.copy(), None if final else caches
 
 
-def pushes_per_second(constants, k: int, batched: bool) -> float:
-    from hift_runtime.batching import BatchingBackend
+class ModelledDevice(InstantDevice):
+    """The instant device, but each call sleeps (the GIL released, as during a GPU call) for the time a model of
+    the H200 gives it: ``fixed + per_row * B`` ms for a generator step of 24 frames on the batch ladder's padded
+    ``B`` (scaled by frames / 24 for other sizes), ``f0_ms`` per F0 call. Defaults: the plain step graphs' CUDA graph
+    replays in ``gpu-h200-step.json`` (TF32 off: 4.77 ms at B = 1, 50.4 at 64, 163.4 at 256) and the F0 calls'
+    1.8 ms at K = 64 in ``load-h200-batched-slots.json``. For trying schedulers without a GPU: not a GPU figure."""
+
+    name = "modelled-h200"
+    LADDER = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+    def __init__(self, constants, fixed_ms: float = 12.7, per_row_ms: float = 0.589, f0_ms: float = 1.8,
+                 final_ms: float = 20.0) -> None:
+        super().__init__(constants)
+        self.fixed_ms, self.per_row_ms, self.f0_ms, self.final_ms = fixed_ms, per_row_ms, f0_ms, final_ms
+
+    def _padded(self, rows: int) -> int:
+        return next((b for b in self.LADDER if b >= rows), rows)
+
+    def f0_step(self, mel, caches):
+        time.sleep(self.f0_ms / 1e3)
+        return super().f0_step(mel, caches)
+
+    def generator_step(self, mel, f0, noise, phase_in, first, caches, final):
+        if final:
+            time.sleep(self.final_ms / 1e3)
+        else:
+            frames = f0.shape[1] - self.c.source_look_ahead
+            b = self._padded(mel.shape[0])
+            ms = min(4.77 + (b - 1) * (8.75 - 4.77) / 7, self.fixed_ms + self.per_row_ms * b)  # B < 8: nearer 4.77
+            time.sleep(ms * max(frames, 4) / 24 / 1e3)
+        return super().generator_step(mel, f0, noise, phase_in, first, caches, final)
+
+
+def modelled_vocoder(constants, device: InstantDevice, batched: bool):
+    """A vocoder over a stand-in device, with the scheduler ``open_vocoder`` gives the GPU."""
+    from hift_runtime.batching import PushScheduler
     from hift_runtime.streaming import StreamingVocoder
 
-    vocoder = StreamingVocoder(InstantDevice(constants), constants, step_sizes=(24, 16, 8, 4, 2, 1))
+    vocoder = StreamingVocoder(device, constants, step_sizes=(24, 16, 8, 4, 2, 1))
     if batched:
-        vocoder.backend = BatchingBackend(vocoder.backend, max_batch=256, max_wait_s=0.003,
+        vocoder.scheduler = PushScheduler(device, max_batch=256, max_wait_s=0.003,
                                           active=lambda: vocoder.active_pushes)
+    return vocoder
+
+
+def pushes_per_second(constants, k: int, batched: bool) -> float:
+    vocoder = modelled_vocoder(constants, InstantDevice(constants), batched)
     mel = synthetic_mel(CHUNK * CHUNKS)
 
     def stream() -> None:
@@ -69,8 +108,7 @@ def pushes_per_second(constants, k: int, batched: bool) -> float:
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    if batched:
-        vocoder.backend.close()
+    vocoder.close()
     return k * CHUNKS / wall
 
 

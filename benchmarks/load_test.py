@@ -102,10 +102,18 @@ class _Served:
         self.process.wait(timeout=60)
 
 
+def _counters(vocoder) -> dict[str, list[float]] | None:
+    """The scheduler's calls/batches/busy seconds by kind, copied (a later run must not change a reported row)."""
+    stats = getattr(getattr(vocoder, "scheduler", None), "stats", None)
+    return None if stats is None else {kind: list(v) for kind, v in stats.by_kind.items()}
+
+
 def run_k(vocoder, k: int, seconds: float) -> dict[str, Any]:
     frames = int(seconds * 50)
+    before = _counters(vocoder)
     mel = synthetic_mel(frames)
     lat: list[float] = []
+    by_index: dict[int, list[float]] = {}  # push index -> latencies (where in a stream the tail comes from)
     first: list[float] = []
     errors: list[str] = []
     lock = threading.Lock()
@@ -128,6 +136,8 @@ def run_k(vocoder, k: int, seconds: float) -> dict[str, Any]:
                     mine.append(took)
             with lock:
                 lat.extend(mine)
+                for j, took in enumerate(mine, start=1):
+                    by_index.setdefault(j, []).append(took)
                 first.append(head)
         except Exception as exc:  # noqa: BLE001 - counted and reported
             with lock:
@@ -141,7 +151,11 @@ def run_k(vocoder, k: int, seconds: float) -> dict[str, Any]:
     wall = time.monotonic() - start
     a = np.asarray(lat) * 1e3 if lat else np.asarray([np.nan])
     f = np.asarray(first) * 1e3 if first else np.asarray([np.nan])
-    stats = getattr(vocoder.backend, "stats", None)
+    stats = getattr(getattr(vocoder, "scheduler", None), "stats", None)
+    after = _counters(vocoder)
+    # This run's calls, batches and busy seconds by kind (the counters run over the vocoder's life).
+    this_run = None if after is None or before is None else {
+        kind: [round(v - w, 4) for v, w in zip(after[kind], before.get(kind, [0, 0, 0.0]))] for kind in after}
     served = vocoder.batches() if isinstance(vocoder, _Served) else None
     return {"k": k, "push_p50_ms": round(float(np.percentile(a, 50)), 2),
             "push_p95_ms": round(float(np.percentile(a, 95)), 2), "push_p99_ms": round(float(np.percentile(a, 99)), 2),
@@ -150,9 +164,9 @@ def run_k(vocoder, k: int, seconds: float) -> dict[str, Any]:
             "throughput_audio_s_per_s": round(len(first) * frames * 480 / 24000 / wall, 1),
             "errors": len(errors), "first_error": errors[0] if errors else None,
             "gpu_memory_mb": gpu_memory_mb(), "max_batch": getattr(stats, "max_batch", 1),
-            **({"batcher_so_far": {"busy_s": round(stats.busy_s, 2), "calls_batches_by_kind": stats.by_kind}}
-               if stats else {}),
+            **({"batcher_this_run": {"calls_batches_busy_s_by_kind": this_run}} if this_run is not None else {}),
             **({"triton_total": served} if served else {}),
+            "push_p95_ms_by_index": [round(float(np.percentile(by_index[j], 95)) * 1e3, 1) for j in sorted(by_index)],
             **({"each_push_ms": [round(x, 1) for x in a.tolist()]} if k == 1 else {})}
 
 
@@ -193,6 +207,16 @@ def main() -> None:
         if name == "served":
             vocoder = _Served(args.artifacts, args.device, args.served_max_batch, args.served_wait_ms,
                               Path(args.out).with_suffix(".served.log"), args.served_instances)
+        elif name.startswith("modelled"):  # the scheduler over a modelled H200 (host_path.ModelledDevice), any host
+            from host_path import InstantDevice, ModelledDevice, modelled_vocoder
+
+            from hift_runtime.manifest import read_manifest
+            from hift_runtime.streaming import StreamConstants
+
+            manifest = read_manifest(args.artifacts, verify=None)
+            constants = StreamConstants.from_manifest(manifest.config, manifest.step)
+            device = InstantDevice(constants) if name == "modelled_instant" else ModelledDevice(constants)
+            vocoder = modelled_vocoder(constants, device, batched=True)
         else:
             options = {"batched": (CudaOptions(), True), "batched_tf32": (CudaOptions(use_tf32=True), True),
                        "per_stream": (CudaOptions(), False),
@@ -223,9 +247,7 @@ def main() -> None:
                 break
         kept = [r["k"] for r in rows if r["push_p95_ms"] <= P95_BOUND_MS and not r["errors"]]
         result["configs"][name]["max_realtime_streams_at_p95_bound"] = max(kept, default=0)
-        close = vocoder.close if isinstance(vocoder, _Served) else getattr(vocoder.backend, "close", None)
-        if close:
-            close()
+        vocoder.close()
         del vocoder
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 

@@ -1,38 +1,35 @@
-"""Cross-stream batching: concurrent streams' steps become one batched call of the step graphs.
+"""Cross-stream batching: whole pushes handed to one scheduler thread, which drives every stream's bookkeeping and
+runs their steps as batched calls of the step graphs.
 
-Each stream's bookkeeping runs in its caller's thread, unchanged (:mod:`hift_runtime.streaming`); its backend calls
-come here. A call waits, at most ``max_wait_s``, for calls of the same kind and shape from other streams (the same
-step size: streams at different positions batch together, their caches stacked row by row), then one worker thread
-runs them as one call of the inner backend and hands each caller its row. Final steps batch too (after split pushes
-they all cover the last 4 frames, so streams that end together share one call). A lone stream never waits: the worker
-only waits while other streams are inside a push and may still join.
+A push is the stream's bookkeeping written once as a coroutine (:meth:`~hift_runtime.streaming.VocoderStream._steps`:
+it yields each backend call it needs and is sent the result). The stream's thread validates its chunk, hands the
+coroutine over (one hand-off in, one out, however many steps the push has) and waits. The scheduler thread keeps
+every push in hand at its next call and, whenever the device is free, runs one group as one batched call: the
+calls of the same kind and shape as the oldest waiting push's (streams at different positions batch together; the
+step size fixes the shapes). While that call runs on the device, the scheduler hands out the previous call's results,
+advances those pushes to their next calls and takes in new pushes, so the device waits for Python only when there is
+nothing to run. The group grows with the load by itself: every push that arrives while a call runs can join the next.
 
-Isolation: a stream's input is validated in its own thread before it reaches the batch, so a bad chunk is refused for
-that stream only; an error inside a batched call is raised in every stream of that batch (their state is unchanged:
-the bookkeeping commits only after its backend calls succeed).
+A lone push never waits. When the device is idle, a group smaller than ``max_batch`` waits at most ``max_wait_s``, and
+only while streams are inside a push but not yet handed over (they may join).
+
+Isolation: a stream's chunk is validated in its own thread before it is handed over, so a bad chunk is refused for
+that stream only; an error inside a batched call is raised in every push of that call (their streams' state is
+unchanged: the bookkeeping commits only after all its calls succeeded).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from .streaming import VocoderBackend
-
-
-@dataclass
-class _Call:
-    key: tuple[Any, ...]
-    args: tuple[Any, ...]
-    arrived: float
-    done: threading.Event = field(default_factory=threading.Event)
-    result: Any = None
-    error: BaseException | None = None
+from .streaming import StepCall, VocoderBackend
 
 
 @dataclass
@@ -42,8 +39,27 @@ class BatchStats:
     calls: int = 0
     batches: int = 0
     max_batch: int = 0
-    busy_s: float = 0.0  # time inside the inner backend's calls (the worker's utilisation over a run)
+    busy_s: float = 0.0  # time inside the backend's calls (the device's utilisation over a run)
     by_kind: dict[str, list[float]] = field(default_factory=dict)  # kind -> [calls, batches, busy seconds]
+
+
+@dataclass(eq=False)
+class _Push:
+    steps: Generator[StepCall, Any, np.ndarray]
+    arrived: float
+    call: StepCall | None = None
+    since: float = 0.0  # when its current call became ready
+    done: threading.Event = field(default_factory=threading.Event)
+    result: np.ndarray | None = None
+    error: BaseException | None = None
+
+
+@dataclass(eq=False)
+class _Flight:
+    """A batched call on the device: its pushes, and the future of their results (one per push)."""
+
+    group: list[_Push]
+    future: concurrent.futures.Future[tuple[list[Any], float]]
 
 
 def _stack(rows: list[Any]) -> Any:
@@ -61,121 +77,167 @@ def _row(caches: Any, i: int) -> Any:
     return {k: v[i:i + 1] for k, v in caches.items()}
 
 
-class BatchingBackend:
-    """A :class:`~hift_runtime.streaming.VocoderBackend` over ``inner`` that gathers concurrent calls into batches."""
+def run_batched(backend: VocoderBackend, calls: list[StepCall]) -> list[Any]:
+    """Calls of one key as one batched backend call; each call's result (its row)."""
+    kind = calls[0].kind
+    if kind == "f0":
+        mel = np.concatenate([c.args[0] for c in calls], axis=0)
+        f0, nxt = backend.f0_step(mel, _stack([c.args[1] for c in calls]))
+        return [(f0[i:i + 1], _row(nxt, i)) for i in range(len(calls))]
+    stacked = [np.concatenate([c.args[j] for c in calls], axis=0) for j in range(5)]
+    audio, phase, nxt = backend.generator_step(*stacked, _stack([c.args[5] for c in calls]), kind == "final")
+    return [(audio[i:i + 1], phase[i:i + 1], _row(nxt, i)) for i in range(len(calls))]
 
-    def __init__(self, inner: VocoderBackend, max_batch: int = 256, max_wait_s: float = 0.003,
+
+class PushScheduler:
+    """Runs pushes (step coroutines) of many streams on ``backend``, batching their calls across streams."""
+
+    def __init__(self, backend: VocoderBackend, max_batch: int = 256, max_wait_s: float = 0.003,
                  active: Callable[[], int] | None = None) -> None:
         if max_batch < 1 or max_wait_s < 0:
             raise ValueError(f"max_batch must be >= 1 and max_wait_s >= 0, got {max_batch}, {max_wait_s}")
-        self.inner, self.max_batch, self.max_wait_s = inner, max_batch, max_wait_s
-        self.name = f"batched({inner.name})"
-        self.active = active or (lambda: 1 << 30)  # how many streams may still join a batch (unknown: wait)
+        self.backend, self.max_batch, self.max_wait_s = backend, max_batch, max_wait_s
+        self.active = active or (lambda: 0)  # streams inside a push (handed over or not); unknown: never wait
         self.stats = BatchStats()
-        self._queue: list[_Call] = []  # every waiting call, oldest first
-        self._by_key: dict[tuple[Any, ...], list[_Call]] = {}  # the same calls by key, oldest first
+        self._arrivals: list[_Push] = []
+        self._inside = 0  # pushes handed over and not yet done
         self._cv = threading.Condition()
         self._closed = False
-        self._worker = threading.Thread(target=self._run, name="hift-batcher", daemon=True)
-        self._worker.start()
+        # The batched calls run here, so the scheduler thread keeps Python work going while the device computes.
+        self._device = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hift-batch-call")
+        self._thread = threading.Thread(target=self._loop, name="hift-scheduler", daemon=True)
+        self._thread.start()
 
-    # ---- the backend interface ---------------------------------------------------------------------------------
-    def new_caches(self, kind: str, batch: int = 1) -> Any:
-        return self.inner.new_caches(kind, batch)
-
-    def f0_step(self, mel: np.ndarray, caches: dict[str, np.ndarray]) -> tuple[np.ndarray, Any]:
-        return self._submit(("f0", mel.shape[2]), (mel, caches))
-
-    def generator_step(self, mel: np.ndarray, f0: np.ndarray, noise: np.ndarray, phase_in: np.ndarray,
-                       first: np.ndarray, caches: dict[str, np.ndarray],
-                       final: bool) -> tuple[np.ndarray, np.ndarray, Any]:
-        return self._submit(("final" if final else "generator", mel.shape[2]),
-                            (mel, f0, noise, phase_in, first, caches))
-
-    def warmup(self, step_sizes: tuple[int, ...] | None) -> None:
-        prepare = getattr(self.inner, "warmup", None)
-        if prepare is not None:
-            prepare(step_sizes)
+    def run(self, steps: Generator[StepCall, Any, np.ndarray]) -> np.ndarray:
+        """Run one push to its end (from the stream's thread); its result, or its error raised here."""
+        push = _Push(steps, time.monotonic())
+        with self._cv:
+            if self._closed:
+                steps.close()
+                raise RuntimeError("the vocoder's scheduler is closed")
+            self._arrivals.append(push)
+            self._inside += 1
+            self._cv.notify()
+        push.done.wait()
+        if push.error is not None:
+            raise push.error
+        assert push.result is not None
+        return push.result
 
     def close(self) -> None:
         with self._cv:
             self._closed = True
-            self._cv.notify_all()
-        self._worker.join(timeout=5)
+            self._cv.notify()
+        self._thread.join(timeout=10)
+        self._device.shutdown(wait=True)
 
-    # ---- internals ------------------------------------------------------------------------------------------------
-    def _submit(self, key: tuple[Any, ...], args: tuple[Any, ...]) -> Any:
-        call = _Call(key, args, time.monotonic())
-        with self._cv:
-            if self._closed:
-                raise RuntimeError("the batching backend is closed")
-            self._queue.append(call)
-            self._by_key.setdefault(key, []).append(call)
-            self._cv.notify_all()
-        call.done.wait()
-        if call.error is not None:
-            raise call.error
-        return call.result
+    # ---- the scheduler thread -------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        ready: list[_Push] = []  # pushes whose next call waits for the device
+        flight: _Flight | None = None
+        while True:
+            with self._cv:
+                while True:
+                    landed = flight is not None and flight.future.done()
+                    if self._arrivals or landed:
+                        break
+                    if self._closed and flight is None:
+                        for p in ready:
+                            self._fail(p, RuntimeError("the vocoder's scheduler was closed during this push"))
+                        return
+                    if flight is None and ready:
+                        wait = self._partner_wait(ready)
+                        if wait <= 0:
+                            break
+                        self._cv.wait(wait)
+                    else:
+                        self._cv.wait()
+                arrivals, self._arrivals = self._arrivals, []
+            for p in arrivals:
+                self._advance(p, None, ready)
+            if flight is not None and flight.future.done():
+                landed_flight, flight = flight, None
+                # The next call goes to the device before this one's results are handed out.
+                flight = self._launch(ready)
+                self._land(landed_flight, ready)
+            if flight is None:
+                flight = self._launch(ready)
 
-    def _take(self) -> list[_Call] | None:
-        """The oldest call's group, once it is full, everyone who may join has joined, or its wait is over."""
-        with self._cv:
-            while True:
-                if self._closed and not self._queue:
-                    return None
-                if self._queue:
-                    oldest = self._queue[0]
-                    waiting = self._by_key[oldest.key]
-                    waited = time.monotonic() - oldest.arrived
-                    # Calls of other shapes are waiting too: their streams cannot join this group.
-                    could_join = self.active() - len(self._queue)
-                    if len(waiting) >= self.max_batch or could_join <= 0 or waited >= self.max_wait_s:
-                        group = waiting[: self.max_batch]
-                        del waiting[: self.max_batch]
-                        if not waiting:
-                            del self._by_key[oldest.key]
-                        taken = {id(c) for c in group}  # one pass: list.remove per call is quadratic in the batch
-                        self._queue = [c for c in self._queue if id(c) not in taken]
-                        return group
-                    self._cv.wait(timeout=self.max_wait_s - waited)
-                else:
-                    self._cv.wait()
+    def _partner_wait(self, ready: list[_Push]) -> float:
+        """How much longer the ready calls wait for partners: > 0 only while streams inside a push have not been
+        handed over yet and the oldest call has waited less than ``max_wait_s``."""
+        with_key = self._group_of(ready)
+        if len(with_key) >= self.max_batch or self.active() <= self._inside:
+            return 0.0
+        return self.max_wait_s - (time.monotonic() - with_key[0].since)
 
-    def _run(self) -> None:
-        while (group := self._take()) is not None:
-            self._serve(group)
-            del group  # not held while waiting for the next batch: its streams' caches (device slots) go back at once
+    def _group_of(self, ready: list[_Push]) -> list[_Push]:
+        """The oldest push's call and every ready call of the same key, oldest push first."""
+        oldest = min(ready, key=lambda p: p.arrived)
+        key = oldest.call.key  # type: ignore[union-attr]
+        return sorted((p for p in ready if p.call.key == key), key=lambda p: p.arrived)  # type: ignore[union-attr]
 
-    def _serve(self, group: list[_Call]) -> None:
+    def _launch(self, ready: list[_Push]) -> _Flight | None:
+        if not ready:
+            return None
+        group = self._group_of(ready)[: self.max_batch]
+        taken = set(map(id, group))
+        ready[:] = [p for p in ready if id(p) not in taken]
+        calls = [p.call for p in group]
+        future = self._device.submit(self._timed_call, calls)
+        future.add_done_callback(self._notify)
+        return _Flight(group, future)
+
+    def _timed_call(self, calls: list[StepCall]) -> tuple[list[Any], float]:
         started = time.perf_counter()
+        results = run_batched(self.backend, calls)
+        return results, time.perf_counter() - started
+
+    def _notify(self, _future: Any) -> None:
+        with self._cv:
+            self._cv.notify()
+
+    def _land(self, flight: _Flight, ready: list[_Push]) -> None:
         try:
-            results = self._call(group)
-        except BaseException as exc:  # noqa: BLE001 - handed to every caller of this batch
-            for c in group:
-                c.error = exc
-                c.done.set()
+            results, busy = flight.future.result()
+        except BaseException as exc:  # noqa: BLE001 - raised in every push of this call
+            for p in flight.group:
+                self._fail(p, exc)
             return
-        busy = time.perf_counter() - started
         st = self.stats
+        kind_name = flight.group[0].call.kind  # type: ignore[union-attr]
         st.busy_s += busy
-        st.calls += len(group)
+        st.calls += len(flight.group)
         st.batches += 1
-        st.max_batch = max(st.max_batch, len(group))
-        kind = st.by_kind.setdefault(group[0].key[0], [0, 0, 0.0])
-        kind[0] += len(group)
+        st.max_batch = max(st.max_batch, len(flight.group))
+        kind = st.by_kind.setdefault(kind_name, [0, 0, 0.0])
+        kind[0] += len(flight.group)
         kind[1] += 1
         kind[2] = round(kind[2] + busy, 4)
-        for c, r in zip(group, results):
-            c.result = r
-            c.args = ()
-            c.done.set()
+        for p, result in zip(flight.group, results):
+            self._advance(p, result, ready)
 
-    def _call(self, group: list[_Call]) -> list[Any]:
-        if group[0].key[0] == "f0":
-            mel = np.concatenate([c.args[0] for c in group], axis=0)
-            f0, nxt = self.inner.f0_step(mel, _stack([c.args[1] for c in group]))
-            return [(f0[i:i + 1], _row(nxt, i)) for i in range(len(group))]
-        stacked = [np.concatenate([c.args[j] for c in group], axis=0) for j in range(5)]
-        audio, phase, nxt = self.inner.generator_step(*stacked, _stack([c.args[5] for c in group]),
-                                                      group[0].key[0] == "final")
-        return [(audio[i:i + 1], phase[i:i + 1], _row(nxt, i)) for i in range(len(group))]
+    def _advance(self, push: _Push, value: Any, ready: list[_Push]) -> None:
+        """Send a call's result into the push; it stops at its next call (ready) or ends."""
+        push.call = None  # not kept while the push computes its next call: its slots go back once it ends
+        try:
+            push.call = push.steps.send(value)
+        except StopIteration as stop:
+            push.result = stop.value
+            self._finish(push)
+        except BaseException as exc:  # noqa: BLE001 - the push's own error, raised in its stream's thread
+            push.error = exc
+            self._finish(push)
+        else:
+            push.since = time.monotonic()
+            ready.append(push)
+
+    def _fail(self, push: _Push, exc: BaseException) -> None:
+        push.steps.close()
+        push.error = exc
+        self._finish(push)
+
+    def _finish(self, push: _Push) -> None:
+        with self._cv:
+            self._inside -= 1
+        push.done.set()

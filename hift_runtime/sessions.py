@@ -210,19 +210,20 @@ def _slot_indices(caches: Any, batch: int) -> np.ndarray:
 
 
 class _SlotStep:
-    """The slot-form generator step of one fixed size and batch as a CUDA graph: its inputs and outputs live in
-    persistent device buffers (a captured graph replays over exactly these addresses), the pool is bound in place.
-    A call copies the step's inputs in (no caches: they stay in the pool) and its audio and phase out; the caller
-    serialises calls."""
+    """The slot-form generator step (or final step) of one fixed size and batch as a CUDA graph: its inputs and
+    outputs live in persistent device buffers (a captured graph replays over exactly these addresses), the pool is
+    bound in place. A call copies the step's inputs in (no caches: they stay in the pool) and its audio and phase
+    out; the caller serialises calls."""
 
     def __init__(self, session: ort.InferenceSession, graph_id: int, size: int, batch: int,
-                 constants: StreamConstants, pool: SlotPool, device_id: int) -> None:
+                 constants: StreamConstants, pool: SlotPool, device_id: int, final: bool = False) -> None:
         c = constants
         self.size, self.batch, self.session = size, batch, session
-        feed = {**_zero_step_feed(c, size, batch), "slots": np.zeros(batch, np.int64)}
+        feed = {**_zero_step_feed(c, size, batch, final), "slots": np.zeros(batch, np.int64)}
+        frames = size + (c.audio_lag if final else 0)  # a final step also emits the audio held back by the lag
         self.inputs = {k: ort.OrtValue.ortvalue_from_numpy(v, "cuda", device_id) for k, v in feed.items()}
         self.outputs = {"audio": ort.OrtValue.ortvalue_from_shape_and_type(
-                            [batch, size * c.samples_per_frame], np.float32, "cuda", device_id),
+                            [batch, frames * c.samples_per_frame], np.float32, "cuda", device_id),
                         "phase_out": ort.OrtValue.ortvalue_from_shape_and_type(
                             [batch, c.num_sines], np.float64, "cuda", device_id)}
         self.binding = session.io_binding()
@@ -230,7 +231,7 @@ class _SlotStep:
             self.binding.bind_ortvalue_input(k, v)
         for k, v in self.outputs.items():
             self.binding.bind_ortvalue_output(k, v)
-        pool.bind(self.binding, device_id, write=True)
+        pool.bind(self.binding, device_id, write=not final)  # a final step leaves the caches: the stream ends
         self.options = ort.RunOptions()
         self.options.add_run_config_entry("gpu_graph_id", str(graph_id))
         self.captured = False
@@ -314,7 +315,7 @@ class OrtBackend:
         # thread (a replay from another thread captures again, while other threads may be running kernels: the
         # "operation not permitted when stream is capturing" crash), and the graphs' buffers are shared.
         self._device = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hift-cuda")
-        self._graphs: dict[tuple[int, int], _SlotStep] = {}  # (step size, batch size) -> captured graph
+        self._graphs: dict[tuple[int, int, bool], _SlotStep] = {}  # (step size, batch, final) -> captured graph
         self._graphs_enabled = False
         self._pool: SlotPool | None = None
         active = CPU
@@ -361,7 +362,7 @@ class OrtBackend:
         if self._graphs_enabled:
             self._plain.add_run_config_entry("gpu_graph_id", "-1")  # ordinary call: no capture, no replay
         self._slot_step = step
-        self._slot_final = self._session(GENERATOR_STEP_FINAL_SLOTS, opts, providers, ())
+        self._slot_final = self._session(GENERATOR_STEP_FINAL_SLOTS, opts, step_providers, ())
         row = int(self.manifest.step["pool_row_floats"])  # the layout's caches of one stream, flattened
         if row != sum(int(np.prod(spec.shape)) for spec in self.constants.generator_caches):
             raise ArtifactError(f"{self.manifest.root}/manifest.json: pool_row_floats {row} is not the sum of the "
@@ -428,13 +429,13 @@ class OrtBackend:
         slots = _slot_indices(caches, batch)
         assert self._pool is not None
         try:
-            graph = None if final else self._graphs.get((feed["f0"].shape[1] - self.constants.source_look_ahead,
-                                                         batch))
+            size = feed["f0"].shape[1] - (0 if final else self.constants.source_look_ahead)
+            graph = self._graphs.get((size, batch, final))
             if graph is not None and graph.captured:
                 return graph.run(feed, slots)
-            session, options = (self._slot_final, None) if final else (self._slot_step, self._plain)
-            audio, phase = _run_slots(session, {k: _pad_rows(v, batch) for k, v in feed.items()}, slots,
-                                      self._pool, self._cuda.device_id, options)
+            audio, phase = _run_slots(self._slot_final if final else self._slot_step,
+                                      {k: _pad_rows(v, batch) for k, v in feed.items()}, slots,
+                                      self._pool, self._cuda.device_id, self._plain)
             return audio[:rows], phase[:rows]
         except Exception:
             if not final:  # the step may have written these rows before it failed: their streams cannot go on
@@ -451,31 +452,34 @@ class OrtBackend:
         self._device.submit(self._warmup_on_device, step_sizes).result()
 
     def _warmup_on_device(self, step_sizes: tuple[int, ...]) -> None:
-        c, pool = self.constants, self._pool
-        assert pool is not None
+        c = self.constants
         for batch in self._cuda.batch_sizes:
-            scratch = np.zeros(batch, np.int64)  # every row reads and writes the scratch slot
             for size in step_sizes:
                 if self.f0_provider == CUDA:  # each F0 shape's first run is slow on the CUDA EP: do it now
                     self._f0.run({"mel": np.zeros((batch, c.in_channels, size + c.f0_look_ahead), np.float32)},
                                  self.new_caches("f0", batch))
-                feed = _zero_step_feed(c, size, batch)
-                if not self._graphs_enabled:
-                    _run_slots(self._slot_step, feed, scratch, pool, self._cuda.device_id, self._plain)
-                elif (size, batch) not in self._graphs:
-                    graph = _SlotStep(self._slot_step, len(self._graphs) + 1, size, batch, c, pool,
-                                      self._cuda.device_id)
-                    for _ in range(3):  # ORT runs a graph id normally before it captures it
-                        graph.run(dict(feed), scratch)
-                    graph.captured = True
-                    self._graphs[(size, batch)] = graph
+                self._prepare(size, batch, final=False)
         # A stream's last step covers 4 frames once pushes split (fewer only for streams shorter than that); streams
-        # that end together share it, so its batch sizes are prepared too.
-        for size, batches in [(s, (1,)) for s in range(1, c.mel_look_ahead)] + [(c.mel_look_ahead,
-                                                                                   self._cuda.batch_sizes)]:
-            for batch in batches:
-                _run_slots(self._slot_final, _zero_step_feed(c, size, batch, final=True), np.zeros(batch, np.int64),
-                           pool, self._cuda.device_id, None)
+        # that end together share it, so it is captured per batch size too (an ordinary call of it costs ~150 ms).
+        for size in range(1, c.mel_look_ahead):
+            self._prepare(size, 1, final=True, capture=False)
+        for batch in self._cuda.batch_sizes:
+            self._prepare(c.mel_look_ahead, batch, final=True)
+
+    def _prepare(self, size: int, batch: int, final: bool, capture: bool = True) -> None:
+        """Build one step shape's cuDNN state and, with CUDA graphs, capture it (on the device thread)."""
+        assert self._pool is not None
+        feed, scratch = _zero_step_feed(self.constants, size, batch, final), np.zeros(batch, np.int64)
+        session = self._slot_final if final else self._slot_step
+        if not (self._graphs_enabled and capture):
+            _run_slots(session, feed, scratch, self._pool, self._cuda.device_id, self._plain)
+        elif (size, batch, final) not in self._graphs:
+            graph = _SlotStep(session, len(self._graphs) + 1, size, batch, self.constants, self._pool,
+                              self._cuda.device_id, final)
+            for _ in range(3):  # ORT runs a graph id normally before it captures it
+                graph.run(dict(feed), scratch)  # every row reads (and a step writes) the scratch slot
+            graph.captured = True
+            self._graphs[(size, batch, final)] = graph
 
 
 def open_vocoder(artifacts: str | os.PathLike[str], *, device: Device = "auto",
@@ -514,8 +518,8 @@ def open_vocoder(artifacts: str | os.PathLike[str], *, device: Device = "auto",
                                step_sizes=step_sizes if step_sizes is not None else backend.step_sizes,
                                max_streams=max_streams, idle_timeout_s=idle_timeout_s)
     if batching:
-        from .batching import BatchingBackend
+        from .batching import PushScheduler
 
-        vocoder.backend = BatchingBackend(backend, max_batch=max_batch, max_wait_s=max_wait_ms / 1e3,
+        vocoder.scheduler = PushScheduler(backend, max_batch=max_batch, max_wait_s=max_wait_ms / 1e3,
                                           active=lambda: vocoder.active_pushes)
     return vocoder

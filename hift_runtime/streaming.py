@@ -34,7 +34,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -144,6 +144,36 @@ def split_steps(count: int, sizes: tuple[int, ...] | None) -> list[int]:
     return out
 
 
+@dataclass(frozen=True)
+class StepCall:
+    """One backend call a push needs: ``kind`` ``"f0"`` (args of ``f0_step``) or ``"generator"``/``"final"`` (args
+    of ``generator_step`` without ``final``). Calls of the same :attr:`key` from different streams can run as one
+    batched call (their arrays are batch-first with one row each)."""
+
+    kind: str
+    args: tuple[Any, ...]
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.kind, self.args[0].shape[2]  # the step's mel frames fix every input's shape
+
+    def run(self, backend: VocoderBackend) -> Any:
+        if self.kind == "f0":
+            return backend.f0_step(*self.args)
+        return backend.generator_step(*self.args, self.kind == "final")
+
+
+def drive(steps: Generator[StepCall, Any, np.ndarray], backend: VocoderBackend) -> np.ndarray:
+    """Run a push's steps (:meth:`VocoderStream._steps`) one call at a time on ``backend``."""
+    result = None
+    while True:
+        try:
+            call = steps.send(result)
+        except StopIteration as done:
+            return done.value
+        result = call.run(backend)
+
+
 @dataclass
 class StreamStats:
     """Counters a test or a monitor can read."""
@@ -184,6 +214,8 @@ class StreamingVocoder:
         self._registry = threading.Lock()
         self._active = 0
         self.backend = backend
+        # Set by open_vocoder(batching=...): pushes then run through it, batched with other streams' (batching.py).
+        self.scheduler: Any = None
         self.constants = constants
         self.noise = noise if noise is not None else NoiseTable.seeded(noise_seed, constants.noise_table_length,
                                                                        constants.num_sines)
@@ -250,6 +282,11 @@ class StreamingVocoder:
         prepare = getattr(self.backend, "warmup", None)
         if prepare is not None:
             prepare(self.step_sizes)
+
+    def close(self) -> None:
+        """Stop the batching scheduler's threads (streams in a push then fail); nothing to do without one."""
+        if self.scheduler is not None:
+            self.scheduler.close()
 
     def vocode(self, mel: np.ndarray) -> np.ndarray:
         """One offline ``finalize=True`` pass over the whole mel: one F0 step and one final step from the start."""
@@ -393,9 +430,18 @@ class VocoderStream:
                           stacklevel=3)
 
     def _advance(self, chunk: np.ndarray, final: bool) -> np.ndarray:
-        """Run the F0 step and the generator steps the new frames allow. Everything is computed into locals; the
-        stream's state changes only once every backend call has succeeded."""
-        c, backend, noise_table = self._c, self._v.backend, self._v.noise
+        """Run the steps the new frames allow: through the vocoder's scheduler (which batches them with other
+        streams' steps), or straight on its backend."""
+        scheduler = self._v.scheduler
+        if scheduler is not None:
+            return scheduler.run(self._steps(chunk, final))
+        return drive(self._steps(chunk, final), self._v.backend)
+
+    def _steps(self, chunk: np.ndarray, final: bool) -> Generator[StepCall, Any, np.ndarray]:
+        """The push as a coroutine: it yields each backend call it needs (:class:`StepCall`), is sent the call's
+        result, and returns the emitted audio. Everything is computed into locals; the stream's state changes only
+        once every call has succeeded (an error thrown in, or the coroutine closed, leaves it as it was)."""
+        c, noise_table = self._c, self._v.noise
         spf = c.samples_per_frame
         base = self._position
         mel = np.concatenate([self._mel, chunk], axis=1) if chunk.shape[1] else self._mel
@@ -412,7 +458,7 @@ class VocoderStream:
                 window = np.concatenate([window, np.zeros((c.in_channels, c.f0_look_ahead), np.float32)], axis=1)
             pieces_f0, pos = [f0], 0
             for size in split_steps(target - f0_end, self._v.step_sizes):
-                out, f0_caches = backend.f0_step(window[None, :, pos:pos + size + c.f0_look_ahead], f0_caches)
+                out, f0_caches = yield StepCall("f0", (window[None, :, pos:pos + size + c.f0_look_ahead], f0_caches))
                 pieces_f0.append(out[0])
                 pos += size
                 f0_calls += 1
@@ -424,10 +470,10 @@ class VocoderStream:
         limit = min(n - c.mel_look_ahead, f0_end - c.source_look_ahead)
         for size in split_steps(limit - position, self._v.step_sizes):
             i = position - base
-            audio, phase, caches = backend.generator_step(
+            audio, phase, caches = yield StepCall("generator", (
                 mel[None, :, i: i + size + c.mel_look_ahead], f0[None, i: i + size + c.source_look_ahead],
                 noise_table.rows(position * spf, (size + c.source_look_ahead) * spf)[None], phase,
-                np.array([[position == 0]]), caches, False)
+                np.array([[position == 0]]), caches))
             if self._v.phase_mode == "wrapped":
                 phase = phase - np.floor(phase)
             pieces.append(audio[0, c.audio_lag * spf if position == 0 else 0:])
@@ -435,9 +481,9 @@ class VocoderStream:
             position += size
         if final and n > position:
             i = position - base
-            audio, _, _ = backend.generator_step(mel[None, :, i:], f0[None, i:],
-                                                 noise_table.rows(position * spf, (n - position) * spf)[None],
-                                                 phase, np.array([[position == 0]]), caches, True)
+            audio, _, _ = yield StepCall("final", (mel[None, :, i:], f0[None, i:],
+                                                   noise_table.rows(position * spf, (n - position) * spf)[None],
+                                                   phase, np.array([[position == 0]]), caches))
             pieces.append(audio[0, c.audio_lag * spf if position == 0 else 0:])
             steps.append(n - position)
             position = n
@@ -445,7 +491,7 @@ class VocoderStream:
         emitted = np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
         expected = (n if final else max(0, position - c.audio_lag)) * spf - self.stats.samples_out
         if emitted.shape[0] != expected:
-            raise RuntimeError(f"backend {backend.name} returned {emitted.shape[0]} samples for steps {steps}; "
+            raise RuntimeError(f"backend {self._v.backend.name} returned {emitted.shape[0]} samples for steps {steps}; "
                                f"expected {expected}")
 
         # 3. Commit.

@@ -37,7 +37,7 @@ def test_concurrent_streams_through_the_batcher_equal_each_alone(small_artifacts
     for i in range(n):
         # Measured <= 3.3e-7: batched convolutions round like B = 1 up to float32 noise.
         assert max_abs(results[i], expected[i]) <= 1e-6, i
-    stats = batched.backend.stats
+    stats = batched.scheduler.stats
     assert stats.calls >= n
     if n == 17:
         assert stats.max_batch > 1 and stats.batches < stats.calls  # steps of different streams did share calls

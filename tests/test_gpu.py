@@ -58,7 +58,7 @@ def test_cuda_concurrent_streams_in_device_slots_match_cpu(small_artifacts):
     results = run_in_threads(lambda i: np.concatenate(stream_all(gpu, mels[i], schedules[i])[0]), range(17))
     for i in range(17):
         assert max_abs(results[i], expected[i]) <= 2e-6, i
-    assert gpu.backend.stats.max_batch > 1
+    assert gpu.scheduler.stats.max_batch > 1
     import gc
 
     gc.collect()
@@ -225,3 +225,39 @@ def test_slot_steps_on_the_cpu(small_artifacts, monkeypatch, rows, batch):
     with pytest.raises(sessions.SlotPoolFull, match="device cache slots are in use"):
         pool.acquire()
     assert isinstance(sessions.SlotPoolFull("x"), OverloadError) and len(many) == 5
+
+
+def test_final_slot_step_graph_runner_on_the_cpu(small_artifacts, monkeypatch):
+    """The captured final step (what streams ending together share): read from the streams' pool rows, the plain
+    final step's audio bit for bit (the held-back audio included), and the pool left as it was."""
+    import hift_runtime.sessions as sessions
+    from hift_runtime.manifest import GENERATOR_STEP_FINAL_SLOTS, read_manifest
+
+    monkeypatch.setattr(sessions.ort, "OrtValue", _FakeDeviceValue)
+    cpu = open_vocoder(small_artifacts.out, device="cpu")
+    c, plain = cpu.constants, cpu.backend._gen[True]
+    final_session = ort.InferenceSession(str(read_manifest(small_artifacts.out).path(GENERATOR_STEP_FINAL_SLOTS)),
+                                         providers=["CPUExecutionProvider"])
+    sizes = [int(np.prod(spec.shape)) for spec in c.generator_caches]
+    rng = np.random.default_rng(9)
+    pool = sessions.SlotPool(5, sum(sizes), 0)
+    held = [pool.acquire() for _ in range(3)]
+    pool.value.array[...] = (rng.standard_normal(pool.value.array.shape) * 0.1).astype(np.float32)
+    before = pool.value.array.copy()
+    size, rows, batch = c.mel_look_ahead, 3, 4
+    feed = {"mel": rng.standard_normal((rows, 80, size)).astype(np.float32) - 5,
+            "f0": (rng.random((rows, size)) * 300).astype(np.float32),
+            "noise": rng.random((rows, size * 480, 9), dtype=np.float32), "phase_in": rng.random((rows, 9)),
+            "first": np.zeros((rows, 1), bool)}
+    slots = sessions._slot_indices(held, batch)
+    caches, offset = {}, 0
+    for spec, n in zip(c.generator_caches, sizes):
+        caches[spec.name] = before[slots[:rows], offset:offset + n].reshape(rows, *spec.shape).copy()
+        offset += n
+    step = sessions._SlotStep(_FakeGraphSession(final_session), 1, size, batch, c, pool, 0, final=True)
+    audio, phase = step.run(dict(feed), slots)
+    (want_audio, want_phase), _ = plain.run(dict(feed), caches)
+    assert audio.shape == want_audio.shape == (rows, (size + c.audio_lag) * 480)
+    np.testing.assert_array_equal(audio, want_audio)
+    np.testing.assert_array_equal(phase, want_phase)
+    np.testing.assert_array_equal(pool.value.array, before)

@@ -12,7 +12,7 @@ import onnxruntime as ort
 import pytest
 
 from hift_runtime import open_vocoder
-from hift_runtime.batching import BatchingBackend
+from hift_runtime.batching import PushScheduler
 from hift_runtime.manifest import read_manifest
 from hift_runtime.streaming import StreamingVocoder
 
@@ -150,14 +150,14 @@ def test_repository_driven_like_the_sequence_batcher_equals_offline(repo, small_
     offline = open_vocoder(small_artifacts.out, device="cpu")
     emulator = SequenceBatcherEmulator(repo)
     vocoder = StreamingVocoder(emulator, offline.constants, step_sizes=(24, 16, 8, 4, 2, 1))
-    vocoder.backend = BatchingBackend(emulator, max_batch=8, max_wait_s=0.01, active=lambda: vocoder.active_pushes)
+    vocoder.scheduler = PushScheduler(emulator, max_batch=8, max_wait_s=0.01, active=lambda: vocoder.active_pushes)
     rng = np.random.default_rng(12)
     mels = [random_mel(int(rng.integers(3, 90)), seed=40 + i) for i in range(6)]
     schedules = [[int(x) for x in rng.integers(1, 30, 6)] + [500] for _ in range(6)]
     results = run_in_threads(lambda i: np.concatenate(stream_all(vocoder, mels[i], schedules[i])[0]), range(6))
     for mel, audio in zip(mels, results):
         assert max_abs(audio, offline.vocode(mel)) <= REPO_TOLERANCE
-    stats = vocoder.backend.stats
+    stats = vocoder.scheduler.stats
     assert stats.max_batch > 1  # interleaved sequences shared requests' batches
 
 
