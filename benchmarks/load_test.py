@@ -235,6 +235,7 @@ def main() -> None:
         rows: list[dict[str, Any]] = []
         result["configs"][name] = {"open_and_warmup_s": round(time.perf_counter() - t0, 1),
                                    "warm_stream_s": warm_stream_s,
+                                   "cuda_graphs": getattr(getattr(vocoder, "backend", None), "_graphs_enabled", None),
                                    "gpu_memory_after_warmup_mb": gpu_memory_mb(), "runs": rows}
         for k in ks:
             row = run_k(vocoder, k, args.seconds)
