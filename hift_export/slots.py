@@ -84,3 +84,38 @@ def slotted_model(model: Any, layout: list[dict[str, Any]], final: bool) -> Any:
     del g.node[:]
     g.node.extend(head + nodes + tail)
     return out
+
+
+def slotted_model_per_cache(model: Any, layout: list[dict[str, Any]], final: bool, read: bool = True,
+                            write: bool = True) -> Any:
+    """Experimental: the slot form with one pool per cache (``pool.NAME [S, *shape]``), read with one Gather each
+    and written with one ScatterND each, no packing. ``read_slots [B]`` (a stream's row, or a row kept at zero for
+    a first step) and ``write_slots [B, 1]`` (the rows written; padding rows write a scratch row)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    g = out.graph
+    write = write and not final
+    cache_inputs = {CACHE_PREFIX + e["name"] for e in layout} if read else set()
+    inputs = [i for i in g.input if i.name not in cache_inputs]
+    del g.input[:]
+    pools = [helper.make_tensor_value_info(f"pool.{e['name']}", TensorProto.FLOAT, ["pool_rows", *e["shape"]])
+             for e in layout]
+    g.input.extend(inputs + ([helper.make_tensor_value_info("read_slots", TensorProto.INT64, ["batch"])] if read else [])
+                   + ([helper.make_tensor_value_info("write_slots", TensorProto.INT64, ["batch", 1])] if write else [])
+                   + pools)
+    head = [helper.make_node("Gather", [f"pool.{e['name']}", "read_slots"], [CACHE_PREFIX + e["name"]], axis=0)
+            for e in layout] if read else []
+    tail = [helper.make_node("ScatterND", [f"pool.{e['name']}", "write_slots", NEXT_PREFIX + e["name"]],
+                             [f"pool_out.{e['name']}"]) for e in layout] if write else []
+    if write:
+        outputs = [o for o in g.output if not o.name.startswith(NEXT_PREFIX)]
+        del g.output[:]
+        g.output.extend(outputs + [helper.make_tensor_value_info(f"pool_out.{e['name']}", TensorProto.FLOAT,
+                                                                 ["pool_rows", *e["shape"]]) for e in layout])
+    nodes = list(g.node)
+    del g.node[:]
+    g.node.extend(head + nodes + tail)
+    return out
