@@ -59,7 +59,7 @@ def copies_only(layout: list[dict[str, Any]]) -> Any:
     slots = [helper.make_tensor_value_info("read_slots", TensorProto.INT64, ["batch"]),
              helper.make_tensor_value_info("write_slots", TensorProto.INT64, ["batch", 1])]
     graph = helper.make_graph(nodes, "copies_only", slots + inputs, outputs)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
 def main() -> None:
