@@ -1,7 +1,8 @@
 """Ways of keeping the caches on the device, timed as CUDA-graph replays of the 24-frame generator step at a few
-batch sizes: the plain graph (caches bound as device buffers, next caches into others: no slots), the packed slot
-form (one ``[S, R]`` pool: Gather, Where, Split, Reshape, Concat, ScatterND) and the per-cache slot form (one pool
-per cache: one Gather and one ScatterND each). Not a test: it reports figures.
+batch sizes: the plain graph (caches bound as device buffers, next caches into others: no slots), the exported slot
+form (``packed``: one flat pool read and written element by element) and, to locate costs, one pool per cache
+read with a Gather and written with a ScatterND by row (``per_cache``; ``read_only``, ``write_only``: one half of
+it; ``copies_only``: the gathers and scatters without the model). Not a test: it reports figures.
 
     python benchmarks/slot_forms.py --artifacts DIR --out R.json [--batches 1,64,256] [--tf32]
 """
@@ -45,6 +46,40 @@ def replay_ms(session, feed: dict[str, np.ndarray], device_out: dict[str, tuple[
     return {"median_ms": round(float(np.median(lat)), 3), "p95_ms": round(float(np.percentile(lat, 95)), 3)}
 
 
+def per_cache_rows(model: Any, layout: list[dict[str, Any]], read: bool = True, write: bool = True) -> Any:
+    """One pool per cache (``pool.NAME [S, *shape]``), read with one Gather each and written with one ScatterND each
+    indexed by row (``write_slots [B, 1]``): the form that showed ScatterND's one thread per index."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from hift_export.graphs import CACHE_PREFIX, NEXT_PREFIX
+
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    g = out.graph
+    cache_inputs = {CACHE_PREFIX + e["name"] for e in layout} if read else set()
+    inputs = [i for i in g.input if i.name not in cache_inputs]
+    del g.input[:]
+    pools = [helper.make_tensor_value_info(f"pool.{e['name']}", TensorProto.FLOAT, ["pool_rows", *e["shape"]])
+             for e in layout]
+    g.input.extend(inputs + ([helper.make_tensor_value_info("read_slots", TensorProto.INT64, ["batch"])] if read else [])
+                   + ([helper.make_tensor_value_info("write_slots", TensorProto.INT64, ["batch", 1])] if write else [])
+                   + pools)
+    head = [helper.make_node("Gather", [f"pool.{e['name']}", "read_slots"], [CACHE_PREFIX + e["name"]], axis=0)
+            for e in layout] if read else []
+    tail = [helper.make_node("ScatterND", [f"pool.{e['name']}", "write_slots", NEXT_PREFIX + e["name"]],
+                             [f"pool_out.{e['name']}"]) for e in layout] if write else []
+    if write:
+        outputs = [o for o in g.output if not o.name.startswith(NEXT_PREFIX)]
+        del g.output[:]
+        g.output.extend(outputs + [helper.make_tensor_value_info(f"pool_out.{e['name']}", TensorProto.FLOAT,
+                                                                 ["pool_rows", *e["shape"]]) for e in layout])
+    nodes = list(g.node)
+    del g.node[:]
+    g.node.extend(head + nodes + tail)
+    return out
+
+
 def copies_only(layout: list[dict[str, Any]]) -> Any:
     """No model: each cache's rows gathered from its pool and scattered back into it (the slot form's pure cost)."""
     from onnx import TensorProto, helper
@@ -73,7 +108,7 @@ def main() -> None:
     import onnx
     import onnxruntime as ort
 
-    from hift_export.slots import slotted_model, slotted_model_per_cache
+    from hift_export.slots import slotted_model
     from hift_runtime.manifest import GENERATOR_STEP, read_manifest
     from hift_runtime.sessions import CudaOptions, _zero_step_feed
     from hift_runtime.streaming import StreamConstants
@@ -88,9 +123,9 @@ def main() -> None:
     model = onnx.load(str(plain_path))  # with its external weights
     paths = {"plain": plain_path}
     builds = {"packed": lambda m: slotted_model(m, layout, False),
-              "per_cache": lambda m: slotted_model_per_cache(m, layout, False),
-              "read_only": lambda m: slotted_model_per_cache(m, layout, False, write=False),
-              "write_only": lambda m: slotted_model_per_cache(m, layout, False, read=False)}
+              "per_cache": lambda m: per_cache_rows(m, layout),
+              "read_only": lambda m: per_cache_rows(m, layout, write=False),
+              "write_only": lambda m: per_cache_rows(m, layout, read=False)}
     for name, build in builds.items():
         paths[name] = art / f"variant_{name}.onnx"
         onnx.save(build(model), str(paths[name]))
@@ -124,7 +159,7 @@ def main() -> None:
         arms = {
             "plain": ({**feed, **caches}, {**audio, **nxt}, {}),
             "packed": ({**feed, "slots": np.arange(2, batch + 2, dtype=np.int64),
-                        "pool": np.zeros((rows, row), np.float32)}, {**audio, "pool_out": ([rows, row], np.float32)},
+                        "pool": np.zeros(rows * row, np.float32)}, {**audio, "pool_out": ([rows * row], np.float32)},
                        {"pool_out": "pool"}),
             "per_cache": ({**feed, "read_slots": np.arange(2, batch + 2, dtype=np.int64),
                            "write_slots": np.arange(2, batch + 2, dtype=np.int64)[:, None], **pools},

@@ -5,9 +5,15 @@ A batched step of streams at different positions needs each stream's caches; mov
 reads the rows of this step's streams and writes their next caches back into the same rows:
 
 * inputs: the step's own inputs (``mel``, ``f0``, ``noise``, ``phase_in``, ``first``), ``slots [B]`` int64 (the
-  pool row of each batch row) and ``pool [S, R]`` float32 (``R`` = every cache of a stream, flattened in layout order);
-* outputs: ``audio``, ``phase_out`` and (stream step only) ``pool_out [S, R]``: the pool with rows ``slots`` replaced
-  by the next caches. A runtime binds ``pool_out`` to ``pool``'s own buffer (ScatterND updates it in place).
+  pool row of each batch row) and ``pool [S * R]`` float32, flat (``S`` rows of ``R`` floats: every cache of a
+  stream, flattened in layout order);
+* outputs: ``audio``, ``phase_out`` and (stream step only) ``pool_out [S * R]``: the pool with rows ``slots``
+  replaced by the next caches. A runtime binds ``pool_out`` to ``pool``'s own buffer (ScatterND updates it in place).
+
+Rows are read and written element by element (indices ``slot * R + 0 .. R-1``), not as whole rows: ONNX Runtime's
+CUDA ScatterND gives each index one thread, so a row index would copy a 144 332-float row serially; that made a
+batched step 1.4-2.3x slower than the plain graph on an H200 (benchmarks/slot_forms.py). The pool is flat so that
+ScatterND writes the bound output itself (a reshape in between would be a copy of the whole pool).
 
 The utterance start needs no zeroing: rows with ``first`` read zeros instead of their slot (the zero caches of a
 stream's start). Built by rewriting the exported step graphs (no second trace); the computation in between is
@@ -45,7 +51,7 @@ def slotted_model(model: Any, layout: list[dict[str, Any]], final: bool) -> Any:
     del g.input[:]
     slots, pool = SLOT_INPUTS
     g.input.extend(inputs + [helper.make_tensor_value_info(slots, TensorProto.INT64, ["batch"]),
-                             helper.make_tensor_value_info(pool, TensorProto.FLOAT, ["pool_rows", row])])
+                             helper.make_tensor_value_info(pool, TensorProto.FLOAT, ["pool_floats"])])
 
     def const(name: str, value: np.ndarray) -> str:
         g.initializer.append(numpy_helper.from_array(value, name))
@@ -53,7 +59,14 @@ def slotted_model(model: Any, layout: list[dict[str, Any]], final: bool) -> Any:
 
     zero = const("slot.zero", np.zeros((), np.float32))
     axis1 = const("slot.axis1", np.array([1], np.int64))
-    head = [helper.make_node("Gather", [pool, slots], ["slot.rows"], axis=0),
+    axis2 = const("slot.axis2", np.array([2], np.int64))
+    row_floats = const("slot.row_floats", np.array(row, np.int64))
+    columns = const("slot.columns", np.arange(row, dtype=np.int64)[None])
+    head = [helper.make_node("Unsqueeze", [slots, axis1], ["slot.column"]),
+            helper.make_node("Mul", ["slot.column", row_floats], ["slot.start"]),
+            # Every float of this step's rows: slot * R + (0 .. R-1), [B, R] (one thread per element below).
+            helper.make_node("Add", ["slot.start", columns], ["slot.index"]),
+            helper.make_node("Gather", [pool, "slot.index"], ["slot.rows"], axis=0),
             # A stream's first step reads zeros (its start), whatever its slot held before.
             helper.make_node("Where", ["first", zero, "slot.rows"], ["slot.state"])]
     tail, flat_next, offset = [], [], 0
@@ -75,47 +88,13 @@ def slotted_model(model: Any, layout: list[dict[str, Any]], final: bool) -> Any:
         for j, group in enumerate(groups):
             tail.append(helper.make_node("Concat", group, [f"slot.next.group{j}"], axis=1))
         tail += [helper.make_node("Concat", [f"slot.next.group{j}" for j in range(len(groups))], ["slot.next"], axis=1),
-                 helper.make_node("Unsqueeze", [slots, axis1], ["slot.index"]),
-                 helper.make_node("ScatterND", [pool, "slot.index", "slot.next"], [POOL_OUTPUT])]
+                 helper.make_node("Unsqueeze", ["slot.index", axis2], ["slot.targets"]),
+                 helper.make_node("ScatterND", [pool, "slot.targets", "slot.next"], [POOL_OUTPUT])]
         outputs = [o for o in g.output if not o.name.startswith(NEXT_PREFIX)]
         del g.output[:]
-        g.output.extend(outputs + [helper.make_tensor_value_info(POOL_OUTPUT, TensorProto.FLOAT, ["pool_rows", row])])
+        g.output.extend(outputs + [helper.make_tensor_value_info(POOL_OUTPUT, TensorProto.FLOAT, ["pool_floats"])])
     nodes = list(g.node)
     del g.node[:]
     g.node.extend(head + nodes + tail)
     return out
 
-
-def slotted_model_per_cache(model: Any, layout: list[dict[str, Any]], final: bool, read: bool = True,
-                            write: bool = True) -> Any:
-    """Experimental: the slot form with one pool per cache (``pool.NAME [S, *shape]``), read with one Gather each
-    and written with one ScatterND each, no packing. ``read_slots [B]`` (a stream's row, or a row kept at zero for
-    a first step) and ``write_slots [B, 1]`` (the rows written; padding rows write a scratch row)."""
-    import onnx
-    from onnx import TensorProto, helper
-
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    g = out.graph
-    write = write and not final
-    cache_inputs = {CACHE_PREFIX + e["name"] for e in layout} if read else set()
-    inputs = [i for i in g.input if i.name not in cache_inputs]
-    del g.input[:]
-    pools = [helper.make_tensor_value_info(f"pool.{e['name']}", TensorProto.FLOAT, ["pool_rows", *e["shape"]])
-             for e in layout]
-    g.input.extend(inputs + ([helper.make_tensor_value_info("read_slots", TensorProto.INT64, ["batch"])] if read else [])
-                   + ([helper.make_tensor_value_info("write_slots", TensorProto.INT64, ["batch", 1])] if write else [])
-                   + pools)
-    head = [helper.make_node("Gather", [f"pool.{e['name']}", "read_slots"], [CACHE_PREFIX + e["name"]], axis=0)
-            for e in layout] if read else []
-    tail = [helper.make_node("ScatterND", [f"pool.{e['name']}", "write_slots", NEXT_PREFIX + e["name"]],
-                             [f"pool_out.{e['name']}"]) for e in layout] if write else []
-    if write:
-        outputs = [o for o in g.output if not o.name.startswith(NEXT_PREFIX)]
-        del g.output[:]
-        g.output.extend(outputs + [helper.make_tensor_value_info(f"pool_out.{e['name']}", TensorProto.FLOAT,
-                                                                 ["pool_rows", *e["shape"]]) for e in layout])
-    nodes = list(g.node)
-    del g.node[:]
-    g.node.extend(head + nodes + tail)
-    return out

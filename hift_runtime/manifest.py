@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 MANIFEST_NAME = "manifest.json"
-FORMAT_VERSION = 3  # 3: + the slot form of the generator steps (2: stateful step graphs; 1: bounded-window graphs)
+FORMAT_VERSION = 4  # 4: the slot form reads and writes a flat pool element by element (3: + the slot form of the
+# generator steps; 2: stateful step graphs; 1: bounded-window graphs)
 METADATA_PREFIX = "hift."
 
 # Roles of the artifacts (keys of manifest["artifacts"]).

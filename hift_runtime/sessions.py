@@ -186,8 +186,9 @@ class SlotPool:
         return self.rows - 1 - len(self._free)
 
     def bind(self, binding: Any, device_id: int, write: bool) -> None:
-        """Bind the pool as a graph's ``pool`` input and, when the graph writes it, as its ``pool_out`` in place."""
-        shape, ptr = [self.rows, self.row_floats], self.value.data_ptr()
+        """Bind the pool (flat, as the slot form takes it) as a graph's ``pool`` input and, when the graph writes it,
+        as its ``pool_out`` in place."""
+        shape, ptr = [self.rows * self.row_floats], self.value.data_ptr()
         binding.bind_input("pool", "cuda", device_id, np.float32, shape, ptr)
         if write:
             binding.bind_output(POOL_OUTPUT, "cuda", device_id, np.float32, shape, ptr)
@@ -369,9 +370,9 @@ class OrtBackend:
                                 f"generator cache layout; the manifest was edited; re-export")
         for session in (step, self._slot_final):
             pool = next(v for v in session.get_inputs() if v.name == "pool")
-            if pool.shape[1] != row:
-                raise ArtifactError(f"{self.manifest.root}: the slot-form graphs' pool rows hold {pool.shape[1]} "
-                                    f"floats, the manifest's pool_row_floats {row}; re-export")
+            if len(pool.shape) != 1:  # the row length is in the step contract, checked against the manifest's
+                raise ArtifactError(f"{self.manifest.root}: the slot-form graphs take a pool of shape {pool.shape}, "
+                                    f"this runtime a flat one (slot form of hift-export >= 2026-11-30); re-export")
         self._pool = SlotPool(self._cuda.slots + 1, row, self._cuda.device_id)
         return active
 
