@@ -160,6 +160,7 @@ class PushScheduler:
                 # The next call goes to the device before this one's results are handed out.
                 flight = self._launch(ready)
                 self._land(landed_flight, ready)
+                del landed_flight  # its results hold device slots: not kept while waiting for the next call
             if flight is None:
                 flight = self._launch(ready)
 

@@ -62,7 +62,7 @@ def test_cuda_concurrent_streams_in_device_slots_match_cpu(small_artifacts):
     import gc
 
     gc.collect()
-    assert gpu.backend.inner.slots_in_use == 0
+    assert gpu.backend.slots_in_use == 0
 
 
 def test_gpu_helpers_on_the_cpu():
