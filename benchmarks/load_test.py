@@ -170,6 +170,28 @@ def run_k(vocoder, k: int, seconds: float) -> dict[str, Any]:
             **({"each_push_ms": [round(x, 1) for x in a.tolist()]} if k == 1 else {})}
 
 
+def parity_vs_cpu(vocoder, artifacts: str, streams: int = 4, frames: int = 100) -> float:
+    """The runtime under test streams a few concurrent utterances; the largest difference from the CPU EP's offline
+    pass of each (so a figure never comes from a runtime that computes the wrong audio)."""
+    from hift_runtime import open_vocoder
+
+    cpu = open_vocoder(artifacts, device="cpu", batching=False)
+    mels = [synthetic_mel(frames, seed=7 + i) for i in range(streams)]
+    got: list[np.ndarray] = [np.zeros(0)] * streams
+
+    def one(i: int) -> None:
+        s = _LocalStream(vocoder)
+        pieces = [s.push(mels[i][:, p:p + CHUNK], end=p + CHUNK >= frames) for p in range(0, frames, CHUNK)]
+        got[i] = np.concatenate(pieces)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return max(float(np.abs(g - cpu.vocode(m)).max()) for g, m in zip(got, mels))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--artifacts", required=True)
@@ -225,6 +247,8 @@ def main() -> None:
             cuda = options[0] if args.slots is None else dataclasses.replace(options[0], slots=args.slots)
             vocoder = open_vocoder(args.artifacts, device=args.device, cuda=cuda, batching=options[1])
             vocoder.warmup()
+        parity = None if name == "served" or name.startswith("modelled") else parity_vs_cpu(vocoder, args.artifacts)
+        print(name, "largest difference from the CPU EP's offline pass:", parity, flush=True)
         warm_stream_s = None
         if args.warm_stream:
             # One stream through every shape a stream meets, after warmup(): what warmup() leaves unprepared shows
@@ -234,7 +258,7 @@ def main() -> None:
             warm_stream_s = round(time.perf_counter() - t1, 2)
         rows: list[dict[str, Any]] = []
         result["configs"][name] = {"open_and_warmup_s": round(time.perf_counter() - t0, 1),
-                                   "warm_stream_s": warm_stream_s,
+                                   "warm_stream_s": warm_stream_s, "parity_max_abs_vs_cpu": parity,
                                    "cuda_graphs": getattr(getattr(vocoder, "backend", None), "_graphs_enabled", None),
                                    "gpu_memory_after_warmup_mb": gpu_memory_mb(), "runs": rows}
         for k in ks:

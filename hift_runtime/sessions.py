@@ -65,7 +65,9 @@ class CudaOptions:
                 "cudnn_conv_algo_search": self.cudnn_conv_algo_search}
 
 
-BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Between 32 and 256 in steps of 1.5x rather than 2x: a batch pads to the next size, and at high load a batched
+# step costs about in proportion to its padded size.
+BATCH_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 
 
 def nvidia_driver_present() -> bool:
@@ -210,40 +212,63 @@ def _slot_indices(caches: Any, batch: int) -> np.ndarray:
     return index
 
 
-class _SlotStep:
-    """The slot-form generator step (or final step) of one fixed size and batch as a CUDA graph: its inputs and
-    outputs live in persistent device buffers (a captured graph replays over exactly these addresses), the pool is
-    bound in place. A call copies the step's inputs in (no caches: they stay in the pool) and its audio and phase
-    out; the caller serialises calls."""
+class _CapturedGraph:
+    """One step graph at one fixed shape as a CUDA graph: its inputs and outputs live in persistent device buffers (a
+    captured graph replays over exactly these addresses). A call copies the inputs in, replays, and copies the
+    outputs out (the first ``rows`` of them: the batch is padded); the caller serialises calls."""
 
-    def __init__(self, session: ort.InferenceSession, graph_id: int, size: int, batch: int,
-                 constants: StreamConstants, pool: SlotPool, device_id: int, final: bool = False) -> None:
-        c = constants
-        self.size, self.batch, self.session = size, batch, session
-        feed = {**_zero_step_feed(c, size, batch, final), "slots": np.zeros(batch, np.int64)}
-        frames = size + (c.audio_lag if final else 0)  # a final step also emits the audio held back by the lag
+    def __init__(self, session: ort.InferenceSession, graph_id: int, feed: dict[str, np.ndarray],
+                 outputs: dict[str, tuple[list[int], Any]], device_id: int) -> None:
+        self.session, self.batch = session, next(iter(feed.values())).shape[0]
         self.inputs = {k: ort.OrtValue.ortvalue_from_numpy(v, "cuda", device_id) for k, v in feed.items()}
-        self.outputs = {"audio": ort.OrtValue.ortvalue_from_shape_and_type(
-                            [batch, frames * c.samples_per_frame], np.float32, "cuda", device_id),
-                        "phase_out": ort.OrtValue.ortvalue_from_shape_and_type(
-                            [batch, c.num_sines], np.float64, "cuda", device_id)}
+        self.outputs = {k: ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, "cuda", device_id)
+                        for k, (shape, dtype) in outputs.items()}
         self.binding = session.io_binding()
         for k, v in self.inputs.items():
             self.binding.bind_ortvalue_input(k, v)
         for k, v in self.outputs.items():
             self.binding.bind_ortvalue_output(k, v)
-        pool.bind(self.binding, device_id, write=not final)  # a final step leaves the caches: the stream ends
         self.options = ort.RunOptions()
         self.options.add_run_config_entry("gpu_graph_id", str(graph_id))
         self.captured = False
 
-    def run(self, feed: dict[str, np.ndarray], slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        rows = feed["mel"].shape[0]
+    def replay(self, feed: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
         for k, v in feed.items():
             self.inputs[k].update_inplace(_pad_rows(v, self.batch))
-        self.inputs["slots"].update_inplace(slots)
         self.session.run_with_iobinding(self.binding, self.options)
-        return self.outputs["audio"].numpy()[:rows], self.outputs["phase_out"].numpy()[:rows]
+        return {k: v.numpy()[:rows] for k, v in self.outputs.items()}
+
+
+class _SlotStep(_CapturedGraph):
+    """The slot-form generator step (or final step) of one fixed size and batch as a CUDA graph, the pool bound in
+    place: a call copies the step's inputs in (no caches: they stay in the pool) and its audio and phase out."""
+
+    def __init__(self, session: ort.InferenceSession, graph_id: int, size: int, batch: int,
+                 constants: StreamConstants, pool: SlotPool, device_id: int, final: bool = False) -> None:
+        c = constants
+        self.size = size
+        frames = size + (c.audio_lag if final else 0)  # a final step also emits the audio held back by the lag
+        super().__init__(session, graph_id, {**_zero_step_feed(c, size, batch, final), "slots": np.zeros(batch, np.int64)},
+                         {"audio": ([batch, frames * c.samples_per_frame], np.float32),
+                          "phase_out": ([batch, c.num_sines], np.float64)}, device_id)
+        pool.bind(self.binding, device_id, write=not final)  # a final step leaves the caches: the stream ends
+
+    def run(self, feed: dict[str, np.ndarray], slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        out = self.replay({**feed, "slots": slots}, feed["mel"].shape[0])
+        return out["audio"], out["phase_out"]
+
+
+def _f0_graph(session: ort.InferenceSession, graph_id: int, size: int, batch: int, constants: StreamConstants,
+              device_id: int) -> _CapturedGraph:
+    """The F0 step of ``size`` frames for ``batch`` streams as a CUDA graph (its small float64 caches travel with
+    each call). Captured because an ordinary call rebuilds every convolution's cuDNN state whenever the shape differs
+    from the previous call's, which batched F0 steps of changing sizes and batches do almost every time."""
+    c = constants
+    feed = {"mel": np.zeros((batch, c.in_channels, size + c.f0_look_ahead), np.float32),
+            **{CACHE_PREFIX + spec.name: spec.zeros(batch) for spec in c.f0_caches}}
+    outputs = {"f0": ([batch, size], np.float32),
+               **{NEXT_PREFIX + spec.name: ([batch, *spec.shape], np.dtype(spec.dtype)) for spec in c.f0_caches}}
+    return _CapturedGraph(session, graph_id, feed, outputs, device_id)
 
 
 def _run_slots(session: ort.InferenceSession, feed: dict[str, np.ndarray], slots: np.ndarray, pool: SlotPool,
@@ -332,8 +357,19 @@ class OrtBackend:
                          True: _StepSession(self._session(GENERATOR_STEP_FINAL, cpu_opts, providers, gen), gen)}
         f0_providers = providers if active == CUDA and self._cuda.f0_on_cuda else [CPU]
         f0_opts = opts if f0_providers is providers else cpu_opts  # a CPU session keeps its thread pool
-        self._f0 = _StepSession(self._session(F0_STEP, f0_opts, f0_providers, constants.f0_caches),
-                                constants.f0_caches)
+        self._f0_graphs: dict[tuple[int, int], _CapturedGraph] = {}  # (step size, batch) -> captured F0 step
+        self._f0_graphs_enabled = False
+        f0_session = None
+        if f0_providers is providers and self._graphs_enabled:
+            try:
+                f0_session = self._session(F0_STEP, f0_opts, [(CUDA, self._cuda.provider_options()
+                                                               | {"enable_cuda_graph": "1"}), CPU], constants.f0_caches)
+                self._f0_graphs_enabled = True
+            except ArtifactError:  # ordinary calls then: slower under changing shapes, otherwise the same
+                log.info("hift_runtime: the F0 step cannot be captured as a CUDA graph here; running it without")
+        if f0_session is None:
+            f0_session = self._session(F0_STEP, f0_opts, f0_providers, constants.f0_caches)
+        self._f0 = _StepSession(f0_session, constants.f0_caches, self._plain if self._f0_graphs_enabled else None)
         self.f0_provider = self._f0.session.get_providers()[0]
         self.generator_provider = active
         self.step_sizes = self._cuda.step_sizes if active == CUDA else None
@@ -410,6 +446,10 @@ class OrtBackend:
     def _f0_step_on_device(self, mel: np.ndarray, caches: dict[str, np.ndarray]) -> tuple[np.ndarray, Any]:
         rows = mel.shape[0]
         batch = next((b for b in self._cuda.batch_sizes if b >= rows), rows)  # the shapes warmup() prepared
+        graph = self._f0_graphs.get((mel.shape[2] - self.constants.f0_look_ahead, batch))
+        if graph is not None and graph.captured:
+            out = graph.replay({"mel": mel, **{CACHE_PREFIX + k: v for k, v in caches.items()}}, rows)
+            return out["f0"], {k[len(NEXT_PREFIX):]: v for k, v in out.items() if k.startswith(NEXT_PREFIX)}
         (f0,), nxt = self._f0.run({"mel": _pad_rows(mel, batch)},
                                   {k: _pad_rows(np.asarray(v), batch) for k, v in caches.items()})
         return f0[:rows], {k: v[:rows] for k, v in nxt.items()}
@@ -456,9 +496,8 @@ class OrtBackend:
         c = self.constants
         for batch in self._cuda.batch_sizes:
             for size in step_sizes:
-                if self.f0_provider == CUDA:  # each F0 shape's first run is slow on the CUDA EP: do it now
-                    self._f0.run({"mel": np.zeros((batch, c.in_channels, size + c.f0_look_ahead), np.float32)},
-                                 self.new_caches("f0", batch))
+                if self.f0_provider == CUDA:
+                    self._prepare_f0(size, batch)
                 self._prepare(size, batch, final=False)
         # A stream's last step covers 4 frames once pushes split (fewer only for streams shorter than that); streams
         # that end together share it, so it is captured per batch size too (an ordinary call of it costs ~150 ms).
@@ -466,6 +505,22 @@ class OrtBackend:
             self._prepare(size, 1, final=True, capture=False)
         for batch in self._cuda.batch_sizes:
             self._prepare(c.mel_look_ahead, batch, final=True)
+
+    def _prepare_f0(self, size: int, batch: int) -> None:
+        """The F0 step of one shape on the CUDA EP: captured (or, without graphs, run once: each shape's first
+        ordinary run is slow)."""
+        c = self.constants
+        mel = np.zeros((batch, c.in_channels, size + c.f0_look_ahead), np.float32)
+        if not self._f0_graphs_enabled:
+            self._f0.run({"mel": mel}, self.new_caches("f0", batch))
+            return
+        if (size, batch) not in self._f0_graphs:
+            graph = _f0_graph(self._f0.session, len(self._f0_graphs) + 1, size, batch, c, self._cuda.device_id)
+            zeros = {CACHE_PREFIX + k: v for k, v in self.new_caches("f0", batch).items()}
+            for _ in range(3):  # ORT runs a graph id normally before it captures it
+                graph.replay({"mel": mel, **zeros}, batch)
+            graph.captured = True
+            self._f0_graphs[(size, batch)] = graph
 
     def _prepare(self, size: int, batch: int, final: bool, capture: bool = True) -> None:
         """Build one step shape's cuDNN state and, with CUDA graphs, capture it (on the device thread)."""

@@ -261,3 +261,26 @@ def test_final_slot_step_graph_runner_on_the_cpu(small_artifacts, monkeypatch):
     np.testing.assert_array_equal(audio, want_audio)
     np.testing.assert_array_equal(phase, want_phase)
     np.testing.assert_array_equal(pool.value.array, before)
+
+
+def test_f0_graph_runner_on_the_cpu(small_artifacts, monkeypatch):
+    """The captured F0 step (its float64 caches travel with each call, the batch padded): the ordinary F0 step's
+    values bit for bit, for the real rows."""
+    import hift_runtime.sessions as sessions
+    from hift_runtime.manifest import F0_STEP, read_manifest
+
+    monkeypatch.setattr(sessions.ort, "OrtValue", _FakeDeviceValue)
+    cpu = open_vocoder(small_artifacts.out, device="cpu")
+    c = cpu.constants
+    f0_session = ort.InferenceSession(str(read_manifest(small_artifacts.out).path(F0_STEP)),
+                                      providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(4)
+    rows, size = 3, 8
+    mel = rng.standard_normal((rows, 80, size + c.f0_look_ahead)).astype(np.float32) - 5
+    caches = {spec.name: rng.standard_normal((rows, *spec.shape)).astype(spec.dtype) for spec in c.f0_caches}
+    graph = sessions._f0_graph(_FakeGraphSession(f0_session), 1, size, 4, c, 0)
+    out = graph.replay({"mel": mel, **{"cache." + k: v for k, v in caches.items()}}, rows)
+    want_f0, want_next = cpu.backend.f0_step(mel, caches)
+    np.testing.assert_array_equal(out["f0"], want_f0)
+    for name, value in want_next.items():
+        np.testing.assert_array_equal(out["next." + name], value)
