@@ -2,7 +2,7 @@
 
 Triton gives HTTP, gRPC, the metrics endpoint and health checks; its dynamic batcher groups concurrent streams'
 requests, and one Triton batch becomes one :meth:`StreamTable.handle` call, whose streams step together through the
-runtime's batching backend (one batched F0 step and one batched generator step per step size). Stream state stays in
+runtime's push scheduler (one batched F0 step and one batched generator step per step size). Stream state stays in
 this process, keyed by stream id (:mod:`hift_runtime.serving`); the wire contract is :mod:`hift_runtime.wire`.
 
 Needs the ``[serve]`` extra (``nvidia-pytriton``, which ships ``tritonserver`` and wants numpy < 2).

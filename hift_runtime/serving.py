@@ -3,7 +3,7 @@
 
 A request names its stream, carries a mel chunk and two flags: ``start`` opens the stream (the chunk is its first),
 ``end`` closes it after the chunk (the reply then holds the held-back tail too). The requests of one batch run
-concurrently, one thread per stream, so the vocoder's batching backend turns them into batched steps; the requests of
+concurrently, one thread per stream, so the vocoder's push scheduler turns them into batched steps; the requests of
 one stream run in the order they came. A refused request (unknown stream, a chunk after end, a bad mel, too many open
 streams) gets its own error message and leaves every stream's state as it was; the others in its batch are served.
 """

@@ -209,7 +209,7 @@ class StreamingVocoder:
         self.step_sizes = step_sizes
         self.max_streams, self.idle_timeout_s = max_streams, idle_timeout_s
         # Open streams (weak: a stream its caller dropped frees its slot) and how many are inside a push right now
-        # (a batching backend waits for partners only while some may still come).
+        # (a batching scheduler waits for partners only while some may still come).
         self._streams: weakref.WeakSet[VocoderStream] = weakref.WeakSet()
         self._registry = threading.Lock()
         self._active = 0

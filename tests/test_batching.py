@@ -124,3 +124,52 @@ def test_asyncio_streams_batch_and_equal_alone(small_artifacts, alone):
 
     for got, want in zip(asyncio.run(main()), expected):
         assert max_abs(got, want) <= 1e-6
+
+
+class _FailingOnce:
+    """A backend that fails its next generator call once asked to (a device error in the middle of a batch)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.name, self.fail_next, self.barrier = inner, "failing-once", False, None
+
+    def new_caches(self, kind, batch=1):
+        return self.inner.new_caches(kind, batch)
+
+    def f0_step(self, mel, caches):
+        return self.inner.f0_step(mel, caches)
+
+    def generator_step(self, *args):
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("device lost (test)")
+        return self.inner.generator_step(*args)
+
+
+def test_a_failed_batched_call_fails_its_pushes_and_leaves_their_streams_unchanged(small_artifacts, alone):
+    """An error inside a batched call is raised in every push of that call; their streams' state is unchanged, so
+    the same chunk pushed again continues exactly, and the scheduler goes on serving."""
+    from hift_runtime.batching import PushScheduler
+    from hift_runtime.streaming import StreamingVocoder
+
+    backend = _FailingOnce(alone.backend)
+    vocoder = StreamingVocoder(backend, alone.constants)
+    vocoder.scheduler = PushScheduler(backend, max_batch=8, max_wait_s=0.2, active=lambda: vocoder.active_pushes)
+    mels = [random_mel(60, seed=70 + i) for i in range(3)]
+    streams = [vocoder.stream() for _ in mels]
+    heads = [s.push(m[:, :20]) for s, m in zip(streams, mels)]
+    backend.fail_next = True
+    seconds = run_in_threads(lambda i: _push_or_error(streams[i], mels[i][:, 20:40]), range(3))
+    failed = [i for i, r in enumerate(seconds) if isinstance(r, RuntimeError)]
+    assert failed and all("device lost" in str(seconds[i]) for i in failed)
+    for i, s in enumerate(streams):
+        second = s.push(mels[i][:, 20:40]) if i in failed else seconds[i]  # a failed push changed nothing: again
+        out = np.concatenate([heads[i], second, s.push(mels[i][:, 40:]), s.finish()])
+        assert max_abs(out, run_stream(alone, mels[i], [20, 20, 20])) <= 1e-6, i
+    vocoder.close()
+
+
+def _push_or_error(stream, chunk):
+    try:
+        return stream.push(chunk)
+    except RuntimeError as exc:
+        return exc
