@@ -238,6 +238,12 @@ class _CapturedGraph:
         self.session.run_with_iobinding(self.binding, self.options)
         return {k: v.numpy()[:rows] for k, v in self.outputs.items()}
 
+    def capture(self, feed: dict[str, np.ndarray]) -> None:
+        """Capture on ``feed`` (whole batch): ONNX Runtime runs a graph id normally a few times before capturing."""
+        for _ in range(3):
+            self.replay(feed, self.batch)
+        self.captured = True
+
 
 class _SlotStep(_CapturedGraph):
     """The slot-form generator step (or final step) of one fixed size and batch as a CUDA graph, the pool bound in
@@ -516,10 +522,7 @@ class OrtBackend:
             return
         if (size, batch) not in self._f0_graphs:
             graph = _f0_graph(self._f0.session, len(self._f0_graphs) + 1, size, batch, c, self._cuda.device_id)
-            zeros = {CACHE_PREFIX + k: v for k, v in self.new_caches("f0", batch).items()}
-            for _ in range(3):  # ORT runs a graph id normally before it captures it
-                graph.replay({"mel": mel, **zeros}, batch)
-            graph.captured = True
+            graph.capture({"mel": mel, **{CACHE_PREFIX + k: v for k, v in self.new_caches("f0", batch).items()}})
             self._f0_graphs[(size, batch)] = graph
 
     def _prepare(self, size: int, batch: int, final: bool, capture: bool = True) -> None:
@@ -532,9 +535,7 @@ class OrtBackend:
         elif (size, batch, final) not in self._graphs:
             graph = _SlotStep(session, len(self._graphs) + 1, size, batch, self.constants, self._pool,
                               self._cuda.device_id, final)
-            for _ in range(3):  # ORT runs a graph id normally before it captures it
-                graph.run(dict(feed), scratch)  # every row reads (and a step writes) the scratch slot
-            graph.captured = True
+            graph.capture({**feed, "slots": scratch})  # every row reads (and a step writes) the scratch slot
             self._graphs[(size, batch, final)] = graph
 
 

@@ -279,6 +279,8 @@ def test_f0_graph_runner_on_the_cpu(small_artifacts, monkeypatch):
     mel = rng.standard_normal((rows, 80, size + c.f0_look_ahead)).astype(np.float32) - 5
     caches = {spec.name: rng.standard_normal((rows, *spec.shape)).astype(spec.dtype) for spec in c.f0_caches}
     graph = sessions._f0_graph(_FakeGraphSession(f0_session), 1, size, 4, c, 0)
+    graph.capture({name: np.zeros_like(value.array) for name, value in graph.inputs.items()})  # what warmup() does
+    assert graph.captured
     out = graph.replay({"mel": mel, **{"cache." + k: v for k, v in caches.items()}}, rows)
     want_f0, want_next = cpu.backend.f0_step(mel, caches)
     np.testing.assert_array_equal(out["f0"], want_f0)
