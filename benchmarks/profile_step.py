@@ -5,8 +5,9 @@ form (caches in a device pool), through ONNX Runtime's profiler. Not a test: it 
 
 Both graphs run as ordinary calls (a CUDA-graph replay hides its nodes from the profiler) on the same inputs, zero
 caches, ``--runs`` times after one warm call; per op type: total kernel microseconds per run and node count, plus
-each form's wall time per call. On the H200 the slot form's captured step took 10.5 ms against 4.8 ms for the plain
-graph's (BENCHMARKS.md); on the CPU EP the two cost the same: this names the op types that differ.
+each form's wall time per call. Ordinary calls carry a host cost per node that a CUDA graph does not: to compare the
+forms as they run in the runtime, replay them (``benchmarks/slot_forms.py``), which is what located the slot form's
+former extra cost (ScatterND writing whole rows with one thread per row; BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def main() -> None:
     caches = {"cache." + spec.name: spec.zeros(args.batch) for spec in c.generator_caches}
     row = sum(int(np.prod(spec.shape)) for spec in c.generator_caches)
     slots = {"slots": np.arange(1, args.batch + 1, dtype=np.int64),
-             "pool": np.zeros((max(args.pool_rows, args.batch + 1), row), np.float32)}
+             "pool": np.zeros(max(args.pool_rows, args.batch + 1) * row, np.float32)}  # flat, as the slot form takes it
     result = {"command": "python benchmarks/profile_step.py " + " ".join(f"--{k.replace('_', '-')} {v}"
                                                                         for k, v in vars(args).items()),
               "onnxruntime": ort.__version__,
