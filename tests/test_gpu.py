@@ -170,19 +170,28 @@ class _FakeGraphSession:
                 binding.outputs[name][...] = value
 
 
+def _on_fake_device(small_artifacts, monkeypatch, role):
+    """The CUDA path's device buffers as NumPy arrays (``_FakeDeviceValue``), a CPU vocoder for reference values, and
+    the graph of ``role`` as a CPU session behind the fake binding."""
+    import hift_runtime.sessions as sessions
+    from hift_runtime.manifest import read_manifest
+
+    monkeypatch.setattr(sessions.ort, "OrtValue", _FakeDeviceValue)
+    cpu = open_vocoder(small_artifacts.out, device="cpu")
+    session = ort.InferenceSession(str(read_manifest(small_artifacts.out).path(role)), providers=["CPUExecutionProvider"])
+    return cpu, session
+
+
 @pytest.mark.parametrize("rows, batch", [(1, 1), (3, 4)])
 def test_slot_steps_on_the_cpu(small_artifacts, monkeypatch, rows, batch):
     """The CUDA path's slot form, run over CPU sessions through fake device buffers: the captured-graph runner and
     the ordinary call read each stream's caches from its pool row (zeros where ``first``), write the next caches back
     into that row, leave every other stream's row alone, and return what the plain step returns, bit for bit."""
     import hift_runtime.sessions as sessions
-    from hift_runtime.manifest import GENERATOR_STEP_SLOTS, read_manifest
+    from hift_runtime.manifest import GENERATOR_STEP_SLOTS
 
-    monkeypatch.setattr(sessions.ort, "OrtValue", _FakeDeviceValue)
-    cpu = open_vocoder(small_artifacts.out, device="cpu")
+    cpu, slot_session = _on_fake_device(small_artifacts, monkeypatch, GENERATOR_STEP_SLOTS)
     c, plain = cpu.constants, cpu.backend._gen[False]
-    slot_session = ort.InferenceSession(str(read_manifest(small_artifacts.out).path(GENERATOR_STEP_SLOTS)),
-                                        providers=["CPUExecutionProvider"])
     sizes = [int(np.prod(spec.shape)) for spec in c.generator_caches]
     rng = np.random.default_rng(rows)
     pool = sessions.SlotPool(6, sum(sizes), 0)
@@ -231,13 +240,10 @@ def test_final_slot_step_graph_runner_on_the_cpu(small_artifacts, monkeypatch):
     """The captured final step (what streams ending together share): read from the streams' pool rows, the plain
     final step's audio bit for bit (the held-back audio included), and the pool left as it was."""
     import hift_runtime.sessions as sessions
-    from hift_runtime.manifest import GENERATOR_STEP_FINAL_SLOTS, read_manifest
+    from hift_runtime.manifest import GENERATOR_STEP_FINAL_SLOTS
 
-    monkeypatch.setattr(sessions.ort, "OrtValue", _FakeDeviceValue)
-    cpu = open_vocoder(small_artifacts.out, device="cpu")
+    cpu, final_session = _on_fake_device(small_artifacts, monkeypatch, GENERATOR_STEP_FINAL_SLOTS)
     c, plain = cpu.constants, cpu.backend._gen[True]
-    final_session = ort.InferenceSession(str(read_manifest(small_artifacts.out).path(GENERATOR_STEP_FINAL_SLOTS)),
-                                         providers=["CPUExecutionProvider"])
     sizes = [int(np.prod(spec.shape)) for spec in c.generator_caches]
     rng = np.random.default_rng(9)
     pool = sessions.SlotPool(5, sum(sizes), 0)
@@ -267,13 +273,10 @@ def test_f0_graph_runner_on_the_cpu(small_artifacts, monkeypatch):
     """The captured F0 step (its float64 caches travel with each call, the batch padded): the ordinary F0 step's
     values bit for bit, for the real rows."""
     import hift_runtime.sessions as sessions
-    from hift_runtime.manifest import F0_STEP, read_manifest
+    from hift_runtime.manifest import F0_STEP
 
-    monkeypatch.setattr(sessions.ort, "OrtValue", _FakeDeviceValue)
-    cpu = open_vocoder(small_artifacts.out, device="cpu")
+    cpu, f0_session = _on_fake_device(small_artifacts, monkeypatch, F0_STEP)
     c = cpu.constants
-    f0_session = ort.InferenceSession(str(read_manifest(small_artifacts.out).path(F0_STEP)),
-                                      providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(4)
     rows, size = 3, 8
     mel = rng.standard_normal((rows, 80, size + c.f0_look_ahead)).astype(np.float32) - 5
