@@ -158,11 +158,11 @@ class PushScheduler:
             if flight is not None and flight.future.done():
                 landed_flight, flight = flight, None
                 # The next call goes to the device before this one's results are handed out.
-                flight = self._launch(ready)
+                flight = self._launch_if_due(ready)
                 self._land(landed_flight, ready)
                 del landed_flight  # its results hold device slots: not kept while waiting for the next call
             if flight is None:
-                flight = self._launch(ready)
+                flight = self._launch_if_due(ready)
 
     def _partner_wait(self, ready: list[_Push]) -> float:
         """How much longer the ready calls wait for partners: > 0 only while streams inside a push have not been
@@ -178,8 +178,10 @@ class PushScheduler:
         key = oldest.call.key  # type: ignore[union-attr]
         return sorted((p for p in ready if p.call.key == key), key=lambda p: p.arrived)  # type: ignore[union-attr]
 
-    def _launch(self, ready: list[_Push]) -> _Flight | None:
-        if not ready:
+    def _launch_if_due(self, ready: list[_Push]) -> _Flight | None:
+        """The next batched call, unless nothing is ready or its group still waits for partners (the loop then
+        waits, at most until the partner wait is over)."""
+        if not ready or self._partner_wait(ready) > 0:
             return None
         group = self._group_of(ready)[: self.max_batch]
         taken = set(map(id, group))
