@@ -146,7 +146,7 @@ class PushScheduler:
                             self._fail(p, RuntimeError("the vocoder's scheduler was closed during this push"))
                         return
                     if flight is None and ready:
-                        wait = self._partner_wait(ready)
+                        wait = self._partner_wait(self._group_of(ready))
                         if wait <= 0:
                             break
                         self._cv.wait(wait)
@@ -164,13 +164,12 @@ class PushScheduler:
             if flight is None:
                 flight = self._launch_if_due(ready)
 
-    def _partner_wait(self, ready: list[_Push]) -> float:
-        """How much longer the ready calls wait for partners: > 0 only while streams inside a push have not been
-        handed over yet and the oldest call has waited less than ``max_wait_s``."""
-        with_key = self._group_of(ready)
-        if len(with_key) >= self.max_batch or self.active() <= self._inside:
+    def _partner_wait(self, group: list[_Push]) -> float:
+        """How much longer the next group (:meth:`_group_of`) waits for partners: > 0 only while streams inside a
+        push have not been handed over yet and its oldest call has waited less than ``max_wait_s``."""
+        if len(group) >= self.max_batch or self.active() <= self._inside:
             return 0.0
-        return self.max_wait_s - (time.monotonic() - with_key[0].since)
+        return self.max_wait_s - (time.monotonic() - group[0].since)
 
     def _group_of(self, ready: list[_Push]) -> list[_Push]:
         """The oldest push's call and every ready call of the same key, oldest push first."""
@@ -181,9 +180,12 @@ class PushScheduler:
     def _launch_if_due(self, ready: list[_Push]) -> _Flight | None:
         """The next batched call, unless nothing is ready or its group still waits for partners (the loop then
         waits, at most until the partner wait is over)."""
-        if not ready or self._partner_wait(ready) > 0:
+        if not ready:
             return None
-        group = self._group_of(ready)[: self.max_batch]
+        group = self._group_of(ready)  # computed once: it is sorted over every ready push
+        if self._partner_wait(group) > 0:
+            return None
+        group = group[: self.max_batch]
         taken = set(map(id, group))
         ready[:] = [p for p in ready if id(p) not in taken]
         calls = [p.call for p in group]
