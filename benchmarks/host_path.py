@@ -87,7 +87,7 @@ def modelled_vocoder(constants, device: InstantDevice, batched: bool):
     vocoder = StreamingVocoder(device, constants, step_sizes=(24, 16, 8, 4, 2, 1))
     if batched:
         vocoder.scheduler = PushScheduler(device, max_batch=256, max_wait_s=0.003,
-                                          active=lambda: vocoder.active_pushes)
+                                          pushes_in_progress=lambda: vocoder.pushes_in_progress)
     return vocoder
 
 

@@ -137,7 +137,8 @@ def load_strict(module: nn.Module, state_dict: Mapping[str, torch.Tensor], what:
         raise CheckpointError(
             f"{what} checkpoint does not match the CosyVoice3 layout: "
             f"{len(missing)} missing keys [{_preview(missing)}], {len(unexpected)} unexpected keys "
-            f"[{_preview(unexpected)}]; expected the {len(expected)} keys of spec/state_dict_keys.txt")
+            f"[{_preview(unexpected)}]; expected the {len(expected)} keys of upstream's Fun-CosyVoice3 hift.pt (e.g. "
+            f"{_preview(set(expected), 3)})")
     wrong = {k: (tuple(state_dict[k].shape), tuple(v.shape)) for k, v in expected.items()
              if tuple(state_dict[k].shape) != tuple(v.shape)}
     if wrong:

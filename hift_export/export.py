@@ -81,7 +81,13 @@ def _tool_versions() -> dict[str, str]:
 
 
 def _sibling(out: Path, kind: str) -> Path:
-    return Path(tempfile.mkdtemp(prefix=f".{out.name}.{kind}-", dir=out.parent))
+    """A new folder beside ``out``, with the mode a plain ``mkdir`` gives (mkdtemp's 0700 would keep a server running
+    as another user, a Triton container or a systemd unit, from reading the artifacts once swapped in)."""
+    folder = Path(tempfile.mkdtemp(prefix=f".{out.name}.{kind}-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    return folder
 
 
 def _remove_stale_siblings(out: Path) -> None:

@@ -236,7 +236,13 @@ def f0_step(predictor: CausalF0Predictor, mel: torch.Tensor,
             x = layer(x)
         else:  # ELU(alpha=1), as the float64 graph computes it
             x = torch.where(x > 0, x, torch.exp(x) - 1)
-    f0 = torch.abs(predictor.classifier(x.transpose(1, 2)).squeeze(-1))
+    if predictor.impl == "torch":
+        f0 = torch.abs(predictor.classifier(x.transpose(1, 2)).squeeze(-1))
+    else:
+        # ``W @ x`` rather than ``Linear(x^T)``: ONNX Runtime fuses a Transpose feeding a MatMul into
+        # com.microsoft.FusedMatMul, which has no float64 kernel before ORT 1.26 (the graph would not load there).
+        weight, bias = predictor.classifier.weight, predictor.classifier.bias
+        f0 = torch.abs((torch.matmul(weight, x) + bias.unsqueeze(-1)).squeeze(1))
     return f0.to(torch.float32), new
 
 

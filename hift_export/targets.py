@@ -29,8 +29,9 @@ ARTIFACT_FILES = {
     "ts_" + F0_STEP: "hift_f0_step.ts",
 }
 # Self-check bound for the exported graphs against the eager step, same inputs and caches (audio, phase, caches).
-# Measured on the fixture checkpoint, CPU EP: <= 7e-6 with random caches (their activations are larger than a real
-# stream's); F0 in float64 is exact.
+# Audio and phase absolute; caches relative to their own scale (at least 1): with random caches some activations reach
+# ~1e2, where float32 rounding alone is ~1e-5 absolute (1.2e-5 seen on the reduced model, ORT 1.31, torch 2.13).
+# Measured on the fixture checkpoint, CPU EP: <= 7e-6; F0 in float64 is exact.
 STEP_TOLERANCE = 1e-5
 
 
@@ -78,6 +79,11 @@ def _max_abs(a: np.ndarray, b: np.ndarray, what: str) -> float:
         raise ExportError(f"self-check: {what} has shape {a.shape}, the eager step gives {b.shape}") from None
 
 
+def _scale(reference: np.ndarray) -> float:
+    """A tensor's scale for a relative error: its largest magnitude, at least 1 (an absolute error below that)."""
+    return max(float(np.max(np.abs(reference))) if reference.size else 0.0, 1.0)
+
+
 def check_against_eager(hift: HiFT, f0_dtype: str, run_generator: Callable[[bool, list[np.ndarray]], Sequence[Any]],
                         run_f0: Callable[[list[np.ndarray]], Sequence[Any]], steps: Sequence[int] = (1, 9),
                         batch: int = 2) -> dict[str, float]:
@@ -92,8 +98,9 @@ def check_against_eager(hift: HiFT, f0_dtype: str, run_generator: Callable[[bool
                 got = [np.asarray(g) for g in run_generator(final, flat_arrays(args))]
                 key = "generator_step_final" if final else "generator_step"
                 figures[key] = max(figures[key], _max_abs(got[0], want[0], key))
-                for g, w in zip(got[2:], want[2:]):
-                    figures["generator_caches"] = max(figures["generator_caches"], _max_abs(g, w, "a cache"))
+                for g, w in zip(got[2:], want[2:]):  # relative to the cache's scale: activations reach ~1e2
+                    figures["generator_caches"] = max(figures["generator_caches"],
+                                                      _max_abs(g, w, "a cache") / _scale(w))
                 if not np.array_equal(got[1], want[1]):  # the float64 running phase sum is exact
                     raise ExportError(f"self-check: {key} phase_out differs from the eager step")
             args = example_f0_step_inputs(hift.config, c, batch, f0_dtype, seed=c)

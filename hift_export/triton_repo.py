@@ -146,18 +146,16 @@ def sequence_generator(step: Any, final: Any, spf: int, seed: int, length: int, 
     # step's, padded (no row reads them then).
     any_end = b.op("Cast", [b.op("ReduceMax", [b.op("Cast", [END], to=TensorProto.INT64)], keepdims=0)],
                    to=TensorProto.BOOL)
+    # Only the audio comes from the If: the final step's phase_out is the step's (both add the same frames' phase
+    # from the same phase_in), and an ended sequence's state is released anyway.
     then_graph = helper.make_graph(
-        final_nodes + [helper.make_node("Identity", [rename["audio"]], ["final.audio"]),
-                       helper.make_node("Identity", [rename["phase_out"]], ["final.phase"])],
-        "final_step", [], [helper.make_tensor_value_info("final.audio", TensorProto.FLOAT, None),
-                           helper.make_tensor_value_info("final.phase", TensorProto.DOUBLE, None)])
+        final_nodes + [helper.make_node("Identity", [rename["audio"]], ["final.audio"])],
+        "final_step", [], [helper.make_tensor_value_info("final.audio", TensorProto.FLOAT, None)])
     else_graph = helper.make_graph(
-        [helper.make_node("Identity", [padded], ["skip.audio"]),
-         helper.make_node("Identity", ["phase_out"], ["skip.phase"])],
-        "no_final_step", [], [helper.make_tensor_value_info("skip.audio", TensorProto.FLOAT, None),
-                              helper.make_tensor_value_info("skip.phase", TensorProto.DOUBLE, None)])
-    final_audio, final_phase = "seq/final_audio", "seq/final_phase"
-    b.nodes.append(helper.make_node("If", [any_end], [final_audio, final_phase], name="seq/final_if",
+        [helper.make_node("Identity", [padded], ["skip.audio"])],
+        "no_final_step", [], [helper.make_tensor_value_info("skip.audio", TensorProto.FLOAT, None)])
+    final_audio = "seq/final_audio"
+    b.nodes.append(helper.make_node("If", [any_end], [final_audio], name="seq/final_if",
                                     then_branch=then_graph, else_branch=else_graph))
     # Outputs: the row's audio (padded to c+1 frames), with the samples before the utterance dropped on its first
     # step, the final step's where END; how many samples are real.
@@ -175,11 +173,10 @@ def sequence_generator(step: Any, final: Any, spf: int, seed: int, length: int, 
     samples = b.op("Sub", [b.op("Add", [b.op("Mul", [frames, per_frame]),
                                         b.op("Mul", [b.op("Cast", [END], to=TensorProto.INT64), per_frame])]),
                            b.op("Mul", [b.op("Cast", ["first"], to=TensorProto.INT64), per_frame])])
-    phase = b.op("Where", [END, final_phase, "phase_out"])
     position_out = b.op("Add", [POSITION, frames])
     tail = list(b.nodes)
     tail += [helper.make_node("Identity", [audio], ["audio_out"]), helper.make_node("Identity", [samples], [SAMPLES]),
-             helper.make_node("Identity", [phase], ["phase_state"]),
+             helper.make_node("Identity", ["phase_out"], ["phase_state"]),
              helper.make_node("Identity", [position_out], [POSITION_OUT])]
     nodes = head + list(g.node) + tail
     del g.node[:]
@@ -235,8 +232,14 @@ def config_pbtxt(model: str, layout: list[dict[str, Any]], *, generator: bool, m
     return "\n".join(lines) + "\n" + "".join(seq) + "\n"
 
 
+# A sequence idle this long is released by Triton. Short on purpose: a sequence a client never ENDs holds one of the
+# model's candidate slots until then, and a START that finds every slot held waits that long (60 s stalled a busy
+# server for a minute with 256 un-ended F0 sequences).
+SEQUENCE_IDLE_US = 10_000_000
+
+
 def write_triton_repository(manifest: Manifest, out: Path, *, max_batch: int = 64, noise_seed: int = 0,
-                            max_queue_delay_us: int = 2000, idle_us: int = 60_000_000,
+                            max_queue_delay_us: int = 2000, idle_us: int = SEQUENCE_IDLE_US,
                             log: Callable[[str], None] = print) -> dict[str, Path]:
     """Write the repository into ``out`` (``<model>/config.pbtxt``, ``<model>/1/model.onnx``) from an export."""
     import onnx

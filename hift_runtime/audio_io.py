@@ -64,8 +64,9 @@ def write_audio(path: str | os.PathLike[str], audio: np.ndarray, sample_rate: in
     soundfile.write(str(path), audio, sample_rate, subtype=subtype or default, format=fmt)
 
 
-def read_audio(path: str | os.PathLike[str]) -> tuple[np.ndarray, int]:
-    """Mono float32 samples and the sample rate of any file libsndfile reads (multi-channel input is averaged)."""
+def read_audio(path: str | os.PathLike[str]) -> tuple[np.ndarray, int, int]:
+    """Mono float32 samples, the sample rate and the file's channel count, of any file libsndfile reads
+    (multi-channel input is averaged)."""
     import soundfile
 
     path = Path(path)
@@ -75,4 +76,4 @@ def read_audio(path: str | os.PathLike[str]) -> tuple[np.ndarray, int]:
         data, rate = soundfile.read(str(path), dtype="float32", always_2d=True)
     except (RuntimeError, soundfile.LibsndfileError) as exc:
         raise AudioFormatError(f"{path} is not an audio file libsndfile can read ({exc})") from exc
-    return data.mean(axis=1).astype(np.float32), int(rate)
+    return data.mean(axis=1).astype(np.float32), int(rate), int(data.shape[1])

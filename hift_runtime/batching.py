@@ -14,8 +14,13 @@ A lone push never waits. When the device is idle, a group smaller than ``max_bat
 only while streams are inside a push but not yet handed over (they may join).
 
 Isolation: a stream's chunk is validated in its own thread before it is handed over, so a bad chunk is refused for
-that stream only; an error inside a batched call is raised in every push of that call (their streams' state is
-unchanged: the bookkeeping commits only after all its calls succeeded).
+that stream only; an error inside a batched call is raised in every push of that call and no other (their streams'
+state is unchanged: the bookkeeping commits only after all its calls succeeded).
+
+Cancellation: a push whose waiting thread is interrupted (KeyboardInterrupt) or whose :class:`CancelToken` is
+cancelled stops at its next call and leaves its stream unchanged, unless a call that wrote device caches in place
+already ran: then it runs to its end. Either way the waiting thread returns only once the push has settled, so a retry
+never overlaps it. ``close()`` fails every push still waiting with a clear error, at once.
 """
 
 from __future__ import annotations
@@ -29,12 +34,13 @@ from typing import Any
 
 import numpy as np
 
-from .streaming import StepCall, VocoderBackend
+from .streaming import CancelToken, PushCancelled, StepCall, VocoderBackend
 
 
 @dataclass
 class BatchStats:
-    """Counters a test or a monitor can read: how many calls ran, in how many batches, the largest batch."""
+    """Counters a test or a monitor can read: how many calls ran, in how many batches, the largest batch. Seconds are
+    kept unrounded (a report rounds them)."""
 
     calls: int = 0
     batches: int = 0
@@ -43,12 +49,18 @@ class BatchStats:
     by_kind: dict[str, list[float]] = field(default_factory=dict)  # kind -> [calls, batches, busy seconds]
 
 
+class SchedulerClosed(RuntimeError):
+    """The vocoder's scheduler was closed: no push runs any more."""
+
+
 @dataclass(eq=False)
 class _Push:
     steps: Generator[StepCall, Any, np.ndarray]
-    arrived: float
+    handed_over_at: float  # orders pushes: the oldest push's call runs first
     call: StepCall | None = None
-    since: float = 0.0  # when its current call became ready
+    call_ready_at: float = 0.0  # when its current call became ready (the partner wait counts from here)
+    wrote_caches: bool = False  # a call of it that writes device caches in place has run: it cannot be undone
+    cancelled: bool = False
     done: threading.Event = field(default_factory=threading.Event)
     result: np.ndarray | None = None
     error: BaseException | None = None
@@ -90,46 +102,68 @@ def run_batched(backend: VocoderBackend, calls: list[StepCall]) -> list[Any]:
 
 
 class PushScheduler:
-    """Runs pushes (step coroutines) of many streams on ``backend``, batching their calls across streams."""
+    """Runs pushes (step coroutines) of many streams on ``backend``, batching their calls across streams.
+
+    ``pushes_in_progress``: how many streams are inside a push (handed over or not yet); the scheduler waits for
+    partners only while some have not been handed over. Unknown (None): it never waits.
+    """
 
     def __init__(self, backend: VocoderBackend, max_batch: int = 256, max_wait_s: float = 0.003,
-                 active: Callable[[], int] | None = None) -> None:
+                 pushes_in_progress: Callable[[], int] | None = None) -> None:
         if max_batch < 1 or max_wait_s < 0:
             raise ValueError(f"max_batch must be >= 1 and max_wait_s >= 0, got {max_batch}, {max_wait_s}")
         self.backend, self.max_batch, self.max_wait_s = backend, max_batch, max_wait_s
-        self.active = active or (lambda: 0)  # streams inside a push (handed over or not); unknown: never wait
+        self.pushes_in_progress = pushes_in_progress or (lambda: 0)
         self.stats = BatchStats()
         self._arrivals: list[_Push] = []
-        self._inside = 0  # pushes handed over and not yet done
+        self._cancellations: list[_Push] = []
+        self._handed_over = 0  # pushes handed over and not yet done
         self._cv = threading.Condition()
-        self._closed = False
+        self._closing = False
+        self._held: list[_Push] = []  # every push the loop holds (ready or on the device), for close()
         # The batched calls run here, so the scheduler thread keeps Python work going while the device computes.
         self._device = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hift-batch-call")
         self._thread = threading.Thread(target=self._loop, name="hift-scheduler", daemon=True)
         self._thread.start()
 
-    def run(self, steps: Generator[StepCall, Any, np.ndarray]) -> np.ndarray:
-        """Run one push to its end (from the stream's thread); its result, or its error raised here."""
+    def run(self, steps: Generator[StepCall, Any, np.ndarray], cancel: CancelToken | None = None) -> np.ndarray:
+        """Run one push to its end (from the stream's thread); its result, or its error raised here. Interrupted
+        (KeyboardInterrupt) or cancelled, the push is cancelled and this returns only once it has settled."""
         push = _Push(steps, time.monotonic())
         with self._cv:
-            if self._closed:
+            if self._closing:
                 steps.close()
-                raise RuntimeError("the vocoder's scheduler is closed")
+                raise SchedulerClosed("the vocoder's scheduler is closed (vocoder.close() was called)")
             self._arrivals.append(push)
-            self._inside += 1
+            self._handed_over += 1
             self._cv.notify()
-        push.done.wait()
+        if cancel is not None:
+            cancel.on_cancel(lambda: self._cancel(push))
+        try:
+            push.done.wait()
+        except BaseException:
+            self._cancel(push)
+            _wait_settled(push.done)
+            raise
         if push.error is not None:
             raise push.error
         assert push.result is not None
         return push.result
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop: every push still waiting fails at once with :class:`SchedulerClosed`; a call on the device is
+        waited for (at most ``timeout_s``), then its pushes fail too. No push is left waiting."""
         with self._cv:
-            self._closed = True
+            self._closing = True
             self._cv.notify()
-        self._thread.join(timeout=10)
-        self._device.shutdown(wait=True)
+        self._thread.join(timeout=timeout_s)
+        with self._cv:  # the loop did not end in time (a call hangs on the device): fail what it still holds
+            leftovers = [p for p in self._held + self._arrivals if not p.done.is_set()]
+            self._arrivals = []
+        for p in leftovers:
+            self._fail(p, SchedulerClosed("the vocoder's scheduler was closed (vocoder.close()) while this push waited "
+                                          "for the device"), close_steps=False)
+        self._device.shutdown(wait=False)
 
     # ---- the scheduler thread -------------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -139,12 +173,10 @@ class PushScheduler:
             with self._cv:
                 while True:
                     landed = flight is not None and flight.future.done()
-                    if self._arrivals or landed:
+                    if self._arrivals or self._cancellations or landed:
                         break
-                    if self._closed and flight is None:
-                        for p in ready:
-                            self._fail(p, RuntimeError("the vocoder's scheduler was closed during this push"))
-                        return
+                    if self._closing:
+                        break
                     if flight is None and ready:
                         wait = self._partner_wait(self._group_of(ready))
                         if wait <= 0:
@@ -153,8 +185,26 @@ class PushScheduler:
                     else:
                         self._cv.wait()
                 arrivals, self._arrivals = self._arrivals, []
+                cancellations, self._cancellations = self._cancellations, []
+                self._held = ready + (flight.group if flight is not None else []) + arrivals
+                closing = self._closing
+            if closing:
+                closed = SchedulerClosed("the vocoder's scheduler was closed (vocoder.close()) during this push")
+                for p in arrivals + ready:
+                    self._fail(p, closed)
+                ready.clear()
+                if flight is not None:
+                    flight.future.exception()  # its answer first (close() stops waiting after its timeout)
+                    self._land(flight, ready)
+                    for p in ready:
+                        self._fail(p, closed)
+                return
             for p in arrivals:
-                self._advance(p, None, ready)
+                self._send(p, None, ready)
+            for p in cancellations:
+                if p in ready and not p.wrote_caches:
+                    ready.remove(p)
+                    self._send(p, None, ready)  # stops it: cancelled
             if flight is not None and flight.future.done():
                 landed_flight, flight = flight, None
                 # The next call goes to the device before this one's results are handed out.
@@ -164,18 +214,25 @@ class PushScheduler:
             if flight is None:
                 flight = self._launch_if_due(ready)
 
+    def _cancel(self, push: _Push) -> None:
+        with self._cv:
+            push.cancelled = True
+            self._cancellations.append(push)
+            self._cv.notify()
+
     def _partner_wait(self, group: list[_Push]) -> float:
         """How much longer the next group (:meth:`_group_of`) waits for partners: > 0 only while streams inside a
         push have not been handed over yet and its oldest call has waited less than ``max_wait_s``."""
-        if len(group) >= self.max_batch or self.active() <= self._inside:
+        if len(group) >= self.max_batch or self.pushes_in_progress() <= self._handed_over:
             return 0.0
-        return self.max_wait_s - (time.monotonic() - group[0].since)
+        return self.max_wait_s - (time.monotonic() - group[0].call_ready_at)
 
     def _group_of(self, ready: list[_Push]) -> list[_Push]:
         """The oldest push's call and every ready call of the same key, oldest push first."""
-        oldest = min(ready, key=lambda p: p.arrived)
+        oldest = min(ready, key=lambda p: p.handed_over_at)
         key = oldest.call.key  # type: ignore[union-attr]
-        return sorted((p for p in ready if p.call.key == key), key=lambda p: p.arrived)  # type: ignore[union-attr]
+        return sorted((p for p in ready if p.call.key == key),  # type: ignore[union-attr]
+                      key=lambda p: p.handed_over_at)
 
     def _launch_if_due(self, ready: list[_Push]) -> _Flight | None:
         """The next batched call, unless nothing is ready or its group still waits for partners (the loop then
@@ -189,6 +246,8 @@ class PushScheduler:
         taken = set(map(id, group))
         ready[:] = [p for p in ready if id(p) not in taken]
         calls = [p.call for p in group]
+        for p in group:
+            p.wrote_caches |= p.call.writes_caches  # type: ignore[union-attr]
         future = self._device.submit(self._timed_call, calls)
         future.add_done_callback(self._notify)
         return _Flight(group, future)
@@ -205,7 +264,7 @@ class PushScheduler:
     def _land(self, flight: _Flight, ready: list[_Push]) -> None:
         try:
             results, busy = flight.future.result()
-        except BaseException as exc:  # noqa: BLE001 - raised in every push of this call
+        except BaseException as exc:  # noqa: BLE001 - raised in every push of this call, and no other
             for p in flight.group:
                 self._fail(p, exc)
             return
@@ -218,13 +277,19 @@ class PushScheduler:
         kind = st.by_kind.setdefault(kind_name, [0, 0, 0.0])
         kind[0] += len(flight.group)
         kind[1] += 1
-        kind[2] = round(kind[2] + busy, 4)
+        kind[2] += busy
         for p, result in zip(flight.group, results):
-            self._advance(p, result, ready)
+            self._send(p, result, ready)
 
-    def _advance(self, push: _Push, value: Any, ready: list[_Push]) -> None:
-        """Send a call's result into the push; it stops at its next call (ready) or ends."""
+    def _send(self, push: _Push, value: Any, ready: list[_Push]) -> None:
+        """Send a call's result into the push; it stops at its next call (ready) or ends. A cancelled push that has
+        written no device caches is stopped here instead (its stream unchanged)."""
+        if push.done.is_set():  # failed by close() while its call was on the device
+            return
         push.call = None  # not kept while the push computes its next call: its slots go back once it ends
+        if push.cancelled and not push.wrote_caches:
+            self._fail(push, PushCancelled("the push was cancelled; the stream is unchanged"))
+            return
         try:
             push.call = push.steps.send(value)
         except StopIteration as stop:
@@ -234,15 +299,29 @@ class PushScheduler:
             push.error = exc
             self._finish(push)
         else:
-            push.since = time.monotonic()
+            push.call_ready_at = time.monotonic()
             ready.append(push)
 
-    def _fail(self, push: _Push, exc: BaseException) -> None:
-        push.steps.close()
+    def _fail(self, push: _Push, exc: BaseException, close_steps: bool = True) -> None:
+        if push.done.is_set():
+            return
+        if close_steps:  # not from close()'s thread: the loop may still hold the coroutine
+            push.steps.close()
         push.error = exc
         self._finish(push)
 
     def _finish(self, push: _Push) -> None:
         with self._cv:
-            self._inside -= 1
-        push.done.set()
+            if push.done.is_set():
+                return
+            self._handed_over -= 1
+            push.done.set()
+
+
+def _wait_settled(done: threading.Event) -> None:
+    """Wait for a cancelled push to settle (at most one device call away), through further interrupts."""
+    while not done.is_set():
+        try:
+            done.wait(0.05)
+        except KeyboardInterrupt:
+            pass

@@ -9,6 +9,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -36,10 +37,13 @@ def parse_schedule(text: str) -> list[int]:
 
 
 def chunk_sizes(schedule: Sequence[int], frames: int) -> list[int]:
+    """The chunks a schedule cuts ``frames`` into. Zero sizes in the schedule send nothing (in-process and through a
+    server alike: a server request carries at least one frame)."""
     out, pos, i = [], 0, 0
     while pos < frames:
         size = min(schedule[min(i, len(schedule) - 1)], frames - pos)
-        out.append(size)
+        if size:
+            out.append(size)
         pos += size
         i += 1
     return out
@@ -65,11 +69,15 @@ def _stream(vocoder: StreamingVocoder, mel: np.ndarray, sizes: Sequence[int], qu
     yield stream.finish()
 
 
-def _wav_mel(path: str) -> np.ndarray:
+def _wav_mel(path: str, say: Any = print) -> np.ndarray:
     from .audio_io import read_audio
     from .mel import COSYVOICE3_MEL, mel_spectrogram, resample
 
-    audio, rate = read_audio(path)
+    audio, rate, channels = read_audio(path)
+    changes = ([f"{channels} channels averaged to mono"] if channels > 1 else []) + (
+        [f"resampled from {rate} Hz to {COSYVOICE3_MEL.sample_rate} Hz"] if rate != COSYVOICE3_MEL.sample_rate else [])
+    if changes:
+        say(f"hift-vocode: note: --wav {path}: {', '.join(changes)}", flush=True)
     try:
         return mel_spectrogram(resample(audio, rate, COSYVOICE3_MEL.sample_rate))
     except ValueError as exc:  # too short for one frame
@@ -84,8 +92,9 @@ def _parser() -> argparse.ArgumentParser:
                                         "http://HOST:PORT (stream the chunks through it)")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--mel", help="input mel, .npy or .npz ([80, T] or [1, 80, T] natural-log mel)")
-    source.add_argument("--wav", help="input speech (any format libsndfile reads, any rate: resampled to 24 kHz); "
-                                      "its CosyVoice3 mel is vocoded (copy synthesis)")
+    source.add_argument("--wav", help="input speech (any format libsndfile reads, any rate and channel count: "
+                                      "several channels are averaged to mono and other rates resampled to 24 kHz, "
+                                      "each said in one line); its CosyVoice3 mel is vocoded (copy synthesis)")
     p.add_argument("--out", required=True, help="output audio by extension: .wav (24-bit PCM unless --subtype), "
                                                 ".flac, .ogg, or .npy (float32 samples)")
     p.add_argument("--subtype", choices=SUBTYPES, help="sample format of .wav/.flac (default PCM_24)")
@@ -106,9 +115,20 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _one_line_warnings() -> None:
+    """Warnings as one ``hift-vocode: warning: ...`` line on stderr (not Python's two lines with a source line)."""
+    import warnings
+
+    def show(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+        print(f"hift-vocode: warning: {message}", file=sys.stderr, flush=True)
+
+    warnings.showwarning = show
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     say = (lambda *a, **k: None) if args.quiet else print
+    _one_line_warnings()
     out = Path(args.out)
     try:
         check_audio_path(out, args.subtype)
@@ -121,7 +141,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         vocoder = open_vocoder(args.artifacts, device=args.device or "auto", noise_table=args.noise_table,
                                noise_seed=args.noise_seed or 0, phase=args.phase or "upstream", batching=False)
         vocoder.warmup()
-        mel = validate_mel(read_mel(args.mel) if args.mel else _wav_mel(args.wav), vocoder.constants.in_channels)
+        mel = validate_mel(read_mel(args.mel) if args.mel else _wav_mel(args.wav, say),
+                           vocoder.constants.in_channels)
         sizes = chunk_sizes(schedule, mel.shape[1])
         sample_rate = vocoder.constants.sample_rate
         say(f"hift-vocode: generator on {vocoder.backend.name}; {mel.shape[1]} frames "
@@ -162,7 +183,7 @@ def _via_server(args: argparse.Namespace, schedule: Sequence[int], out: Path, sa
 
     client = ServerClient(args.server)
     try:
-        mel = validate_mel(read_mel(args.mel) if args.mel else _wav_mel(args.wav), client.in_channels)
+        mel = validate_mel(read_mel(args.mel) if args.mel else _wav_mel(args.wav, say), client.in_channels)
         if mel.shape[1] == 0:
             raise UsageError("the mel has no frames: nothing to send")
         sizes = chunk_sizes(schedule, mel.shape[1])

@@ -21,7 +21,7 @@ def _parse_url(url: str) -> tuple[str, str]:
         if url.startswith(f"{scheme}://"):
             return scheme, url[len(scheme) + 3:]
     if "://" in url:
-        raise ValueError(f"server address {url!r}: use HOST:PORT (gRPC), grpc://HOST:PORT or http://HOST:PORT")
+        raise ServerError(f"server address {url!r}: use HOST:PORT (gRPC), grpc://HOST:PORT or http://HOST:PORT")
     return "grpc", url
 
 
@@ -29,26 +29,34 @@ class ServerClient:
     """A connection to a ``hift-serve`` model; checks at once that the server and the model are ready."""
 
     def __init__(self, url: str, model_name: str = wire.MODEL_NAME, timeout_s: float = 60.0) -> None:
+        self.url = url
         self.protocol, address = _parse_url(url)
         self.model_name, self.timeout_s = model_name, timeout_s
         if self.protocol == "grpc":
             import tritonclient.grpc as tc
+
+            client_args: dict[str, Any] = {}
         else:
             import tritonclient.http as tc
+
+            # The HTTP client takes its timeouts at construction (gRPC per call: _timeout()).
+            client_args = {"connection_timeout": timeout_s, "network_timeout": timeout_s}
         self._tc = tc
         try:
-            self._client = tc.InferenceServerClient(address)
-            ready = self._client.is_model_ready(model_name)
+            self._client = tc.InferenceServerClient(address, **client_args)
+            ready = self._client.is_model_ready(model_name, **self._timeout())
         except Exception as exc:  # noqa: BLE001 - connection refused, DNS, TLS: one clear line
             raise ServerError(f"cannot reach a server at {url} ({self.protocol}): {_short(exc)}; is hift-serve "
                               f"running there?") from None
         if not ready:
             raise ServerError(f"the server at {url} has no ready model {model_name!r}")
         self.in_channels = self._mel_channels()
-        self.url = url
 
     def _mel_channels(self) -> int:
-        meta = self._client.get_model_metadata(self.model_name)
+        try:
+            meta = self._client.get_model_metadata(self.model_name, **self._timeout())
+        except Exception as exc:  # noqa: BLE001 - a transport or Triton error
+            raise ServerError(f"{self.url}: cannot read the model's metadata: {_short(exc)}") from None
         inputs = meta.inputs if hasattr(meta, "inputs") else meta["inputs"]
         for entry in inputs:
             name = entry.name if hasattr(entry, "name") else entry["name"]
@@ -88,6 +96,7 @@ class ServerClient:
         return result.as_numpy(wire.AUDIO).reshape(-1)[:samples].copy(), rate
 
     def _timeout(self) -> dict[str, Any]:
+        """Per-call timeout arguments: gRPC takes one per call; HTTP has its own from construction."""
         return {"client_timeout": self.timeout_s} if self.protocol == "grpc" else {}
 
     def close(self) -> None:

@@ -76,9 +76,11 @@ class Manifest:
         if not file.is_file():
             raise ArtifactError(f"{file} ({role}) is listed in the manifest but missing; re-export or copy the "
                                 f"whole folder")
-        if file.stat().st_size != entry["bytes"]:
-            raise ArtifactError(f"{file} ({role}) has {file.stat().st_size} bytes, the manifest says "
-                                f"{entry['bytes']}: truncated or replaced; re-export")
+        size = file.stat().st_size
+        if size != entry["bytes"]:
+            what = "truncated" if size < entry["bytes"] else "longer than written: appended to or replaced"
+            raise ArtifactError(f"{file} ({role}) has {size} bytes, the manifest says {entry['bytes']}: {what}; "
+                                f"re-export")
         digest = sha256_file(file)
         if digest != entry["sha256"]:
             raise ArtifactError(f"{file} ({role}) sha256 {digest[:16]}… does not match the manifest's "

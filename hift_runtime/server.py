@@ -27,7 +27,7 @@ from . import wire
 from .argparsing import OneLineArgumentParser
 from .manifest import ArtifactError
 from .noise import NoiseTableError
-from .serving import ChunkRequest, StreamTable
+from .serving import MAX_CHUNK_FRAMES, ChunkRequest, StreamTable
 from .sessions import nvidia_driver_present
 from .streaming import StreamingVocoder
 
@@ -107,7 +107,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--instances", type=int, default=1,
                    help="model instances: Triton batches executed at once (default 1)")
     p.add_argument("--max-streams", type=int, default=None,
-                   help="open streams at most; a start beyond it is refused (default: no limit)")
+                   help="open streams at most; a start beyond it is refused with an overload message (default: what "
+                        "the device holds: its cache slots on the GPU, a quarter of the free memory on the CPU)")
+    p.add_argument("--max-chunk-frames", type=int, default=MAX_CHUNK_FRAMES,
+                   help=f"the longest chunk one request may carry, in frames (default {MAX_CHUNK_FRAMES}: 20 s)")
     p.add_argument("--idle-timeout-s", type=float, default=60.0,
                    help="a stream idle this long is released (default 60 s)")
     p.add_argument("--noise-seed", type=int, default=0, help="seed of the generated noise table (default 0)")
@@ -137,14 +140,64 @@ def open_table(args: argparse.Namespace) -> tuple[StreamingVocoder, StreamTable]
     vocoder = open_vocoder(args.artifacts, device=args.device, noise_seed=args.noise_seed, phase=args.phase,
                            batching=True, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
                            max_streams=args.max_streams, idle_timeout_s=args.idle_timeout_s)
+    if vocoder.max_streams is None:  # nothing a client sends may grow the server without bound
+        vocoder.max_streams = vocoder.backend.stream_capacity()
     vocoder.warmup()
-    return vocoder, StreamTable(vocoder, workers=args.max_batch)
+    return vocoder, StreamTable(vocoder, workers=args.max_batch, max_chunk_frames=args.max_chunk_frames)
+
+
+def wait_model_ready(url: str, model_name: str, timeout_s: float = 120.0) -> bool:
+    """Poll Triton's model-readiness endpoint until the model answers ready (True) or ``timeout_s`` passes."""
+    import time
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/v2/models/{model_name}/ready", timeout=5) as reply:
+                if reply.status == 200:
+                    return True
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.1)
+    return False
+
+
+class _ConsoleWhileStopping:
+    """While the server stops, this process's stdout and stderr (file descriptors, which tritonserver shares) point at
+    the Triton log, so tritonserver's own "Signal (N) received." lines go there, not to the console."""
+
+    def __init__(self, log_file: Path) -> None:
+        self.log_file, self._saved = log_file, None
+
+    def stop(self, *_: Any) -> None:
+        """Signal handler (SIGTERM, SIGINT): stop as Ctrl-C does, the console quiet."""
+        if self._saved is None:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            self._saved = [os.dup(1), os.dup(2)]
+            with open(self.log_file, "ab") as log:
+                os.dup2(log.fileno(), 1)
+                os.dup2(log.fileno(), 2)
+        raise KeyboardInterrupt
+
+    def restore(self) -> None:
+        if self._saved is not None:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            for fd, copy in zip((1, 2), self._saved):
+                os.dup2(copy, fd)
+                os.close(copy)
+            self._saved = None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.max_batch < 1 or args.max_wait_ms < 0 or args.instances < 1:
-        print("hift-serve: error: --max-batch and --instances must be >= 1 and --max-wait-ms >= 0", file=sys.stderr)
+    if (args.max_batch < 1 or args.max_wait_ms < 0 or args.instances < 1 or args.max_chunk_frames < 1
+            or (args.max_streams is not None and args.max_streams < 1)):
+        print("hift-serve: error: --max-batch, --instances, --max-streams and --max-chunk-frames must be >= 1 and "
+              "--max-wait-ms >= 0", file=sys.stderr)
         return 2
     try:
         from pytriton.triton import Triton, TritonConfig
@@ -172,21 +225,38 @@ def main(argv: Sequence[str] | None = None) -> int:
                           grpc_port=args.grpc_port, metrics_address=args.host, metrics_port=args.metrics_port,
                           log_file=log_file, log_verbose=0, allow_gpu_metrics=nvidia_driver_present())
     # SIGTERM (a service manager, a test) stops the server the way Ctrl-C does.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    console = _ConsoleWhileStopping(log_file)
+    signal.signal(signal.SIGTERM, console.stop)
+    signal.signal(signal.SIGINT, console.stop)
     constants = vocoder.constants
+    local = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    http_url = f"http://{f'[{local}]' if ':' in local else local}:{args.http_port}"
     try:
-        with Triton(config=config) as triton:
-            bind(triton, table, in_channels=constants.in_channels, sample_rate=constants.sample_rate,
-                 max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, model_name=args.model_name,
-                 instances=args.instances)
-            print(f"hift-serve: model {args.model_name!r} ready (generator on {vocoder.backend.name}): "
-                  f"gRPC {args.host}:{args.grpc_port}, HTTP {args.host}:{args.http_port}, metrics "
+        # Bound before the server starts, so it loads the model as it comes up; /v2/health/ready can still answer
+        # before the model is loaded, so readiness is the model's own endpoint (README: the probe to use).
+        triton = Triton(config=config)
+        bind(triton, table, in_channels=constants.in_channels, sample_rate=constants.sample_rate,
+             max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, model_name=args.model_name,
+             instances=args.instances)
+        try:
+            triton.run()
+            if not wait_model_ready(http_url, args.model_name):
+                print(f"hift-serve: error: the model did not become ready in 120 s; see the Triton log {log_file}",
+                      file=sys.stderr)
+                return 1
+            print(f"hift-serve: model {args.model_name!r} ready (generator on {vocoder.backend.name}, at most "
+                  f"{vocoder.max_streams} streams): gRPC {args.host}:{args.grpc_port}, HTTP {args.host}:"
+                  f"{args.http_port}, readiness {http_url}/v2/models/{args.model_name}/ready, metrics "
                   f"http://{args.host}:{args.metrics_port}/metrics; Triton log {log_file}", flush=True)
             triton.serve()
+        finally:
+            triton.stop()
     except KeyboardInterrupt:
         pass
     finally:
         table.close()
+        vocoder.close()
+        console.restore()
     print("hift-serve: stopped", flush=True)
     return 0
 

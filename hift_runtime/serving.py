@@ -4,8 +4,14 @@
 A request names its stream, carries a mel chunk and two flags: ``start`` opens the stream (the chunk is its first),
 ``end`` closes it after the chunk (the reply then holds the held-back tail too). The requests of one batch run
 concurrently, one thread per stream, so the vocoder's push scheduler turns them into batched steps; the requests of
-one stream run in the order they came. A refused request (unknown stream, a chunk after end, a bad mel, too many open
-streams) gets its own error message and leaves every stream's state as it was; the others in its batch are served.
+one stream run in the order they came. A refused request (unknown stream, a chunk after end, a bad mel, a chunk
+longer than ``max_chunk_frames``, a bad id, too many open streams) gets its own error message and leaves every
+stream's state as it was; the others in its batch are served. An ``end`` request is one unit: its chunk and the
+stream's tail are computed together, or (refused, failed) not at all.
+
+Memory is bounded whatever clients send: open streams by ``max_streams`` (the vocoder's), a chunk by
+``max_chunk_frames``, an id by :data:`MAX_STREAM_ID_BYTES`, and the ids of closed streams (remembered so that a late
+chunk is told "ended" or "expired" rather than "unknown") by :data:`CLOSED_IDS_REMEMBERED`.
 """
 
 from __future__ import annotations
@@ -23,8 +29,26 @@ import numpy as np
 from .streaming import MelError, OverloadError, StreamError, StreamingVocoder, VocoderStream, validate_mel
 
 log = logging.getLogger("hift_runtime.serving")
-# Ids of closed streams remembered, so a late chunk is told "ended" or "expired" rather than "unknown".
-_CLOSED_MEMORY = 65536
+# Ids of closed streams remembered (oldest forgotten first): at most this many ids of at most MAX_STREAM_ID_BYTES.
+CLOSED_IDS_REMEMBERED = 16384
+MAX_STREAM_ID_BYTES = 256
+# The longest chunk a request may carry by default: 1 000 frames are 20 s of audio (320 KB of mel); a push is split
+# into bounded steps anyway, this bounds what one request holds in memory and how long it occupies the device.
+MAX_CHUNK_FRAMES = 1000
+
+
+def check_stream_id(stream_id: str) -> None:
+    """Refuse an empty id or one longer than :data:`MAX_STREAM_ID_BYTES` (UTF-8) with :class:`StreamError`."""
+    if not stream_id:
+        raise StreamError("the stream id is empty; send a non-empty id (a UUID, say)")
+    size = len(stream_id.encode("utf-8", "surrogatepass"))
+    if size > MAX_STREAM_ID_BYTES:
+        raise StreamError(f"the stream id has {size} bytes, more than {MAX_STREAM_ID_BYTES}; use a shorter id")
+
+
+def shown_id(stream_id: str) -> str:
+    """The id as error messages quote it: cut short, so a message never echoes an oversized id back."""
+    return repr(stream_id if len(stream_id) <= 64 else stream_id[:61] + "...")
 
 
 @dataclass(frozen=True)
@@ -51,10 +75,11 @@ _EMPTY = np.zeros(0, np.float32)
 class StreamTable:
     """Open streams by id over one vocoder; :meth:`handle` serves a batch of requests."""
 
-    def __init__(self, vocoder: StreamingVocoder, workers: int = 64) -> None:
-        if workers < 1:
-            raise ValueError(f"workers must be >= 1, got {workers}")
+    def __init__(self, vocoder: StreamingVocoder, workers: int = 64, max_chunk_frames: int = MAX_CHUNK_FRAMES) -> None:
+        if workers < 1 or max_chunk_frames < 1:
+            raise ValueError(f"workers and max_chunk_frames must be >= 1, got {workers}, {max_chunk_frames}")
         self.vocoder = vocoder
+        self.max_chunk_frames = max_chunk_frames
         self._streams: dict[str, VocoderStream] = {}
         self._closed: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._lock = threading.Lock()
@@ -87,26 +112,33 @@ class StreamTable:
 
     def _serve(self, request: ChunkRequest) -> ChunkReply:
         sid = request.stream_id
+        stream = None
         try:
-            if request.start:  # a refused first chunk opens nothing (and takes no slot)
-                validate_mel(request.mel, self.vocoder.constants.in_channels)
+            check_stream_id(sid)
+            mel = validate_mel(request.mel, self.vocoder.constants.in_channels)  # refused: nothing opened or moved
+            if mel.shape[1] > self.max_chunk_frames:
+                raise MelError(f"the chunk has {mel.shape[1]} frames, more than this server takes in one request "
+                               f"({self.max_chunk_frames}); send it as several chunks")
             stream = self._open(sid) if request.start else self._find(sid)
             try:
-                audio = stream.push(request.mel)
-                if request.end:
-                    audio = np.concatenate([audio, stream.finish()])
+                # push + finish as one unit: a failed end request leaves the stream as it was.
+                audio = stream.finish(mel) if request.end else stream.push(mel)
             except Exception:
                 if request.start:  # the stream was never there: the client may start it again
+                    stream.close()
                     self._forget(sid, None)
                 raise
             if request.end:
                 self._forget(sid, "ended (its last request had end=true); start a new stream")
             return ChunkReply(audio)
         except (MelError, StreamError, OverloadError) as exc:
-            return ChunkReply(_EMPTY, f"stream {sid!r}: {exc}")
+            return ChunkReply(_EMPTY, f"stream {shown_id(sid)}: {exc}")
         except Exception as exc:  # noqa: BLE001 - a backend failure: this request fails, the server goes on
-            log.exception("stream %r: request failed", sid)
-            return ChunkReply(_EMPTY, f"stream {sid!r}: internal error: {type(exc).__name__}: {exc}")
+            log.exception("stream %s: request failed", shown_id(sid))
+            return ChunkReply(_EMPTY, f"stream {shown_id(sid)}: internal error: {type(exc).__name__}: {exc}")
+        finally:
+            if stream is not None and stream.lost:  # its device caches went in a failed step: it leaves the table
+                self._forget(sid, "lost its device caches in a failed step and was released; start a new stream")
 
     def _open(self, sid: str) -> VocoderStream:
         with self._lock:
@@ -132,7 +164,7 @@ class StreamTable:
             self._streams.pop(sid, None)
             if why is not None:
                 self._closed[sid] = why
-                while len(self._closed) > _CLOSED_MEMORY:
+                while len(self._closed) > CLOSED_IDS_REMEMBERED:
                     self._closed.popitem(last=False)
 
     def _expire_idle(self) -> None:

@@ -20,7 +20,7 @@ from .manifest import (F0_STEP, GENERATOR_STEP, GENERATOR_STEP_FINAL, GENERATOR_
                        METADATA_PREFIX, POOL_OUTPUT, RUNTIME_ROLES, ArtifactError,
                        Manifest, read_manifest)
 from .noise import NoiseTable
-from .streaming import CacheSpec, OverloadError, StreamConstants, StreamError, StreamingVocoder
+from .streaming import CacheSpec, OverloadError, StreamConstants, StreamingVocoder
 
 log = logging.getLogger("hift_runtime")
 Device = Literal["auto", "cuda", "cpu"]
@@ -65,6 +65,10 @@ class CudaOptions:
                 "cudnn_conv_algo_search": self.cudnn_conv_algo_search}
 
 
+# Slots kept beside max_streams for offline passes (vocode()), which take a slot while they run.
+OFFLINE_SLOTS = 4
+# The most streams a default (stream_capacity on the CPU) admits, whatever the memory.
+MAX_DEFAULT_STREAMS = 4096
 # Between 32 and 256 in steps of 1.5x rather than 2x: a batch pads to the next size, and at high load a batched
 # step costs about in proportion to its padded size.
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
@@ -149,12 +153,12 @@ class SlotPoolFull(OverloadError):
 
 class Slot:
     """One stream's generator caches on the device: a row of the :class:`SlotPool`, given back when the stream
-    lets go of it (finished, expired or dropped). ``broken``: a step failed after it may have written the row."""
+    lets go of it (finished, expired, lost or dropped)."""
 
-    __slots__ = ("index", "broken", "__weakref__")
+    __slots__ = ("index", "__weakref__")
 
     def __init__(self, index: int) -> None:
-        self.index, self.broken = index, False
+        self.index = index
 
 
 class SlotPool:
@@ -202,11 +206,9 @@ def _slots(caches: Any) -> list[Slot]:
 
 
 def _slot_indices(caches: Any, batch: int) -> np.ndarray:
-    """The pool rows of a step's streams, padded with the scratch row 0 up to ``batch``."""
+    """The pool rows of a step's streams, padded with the scratch row 0 up to ``batch``. (A stream whose step failed
+    after writing its row is lost and refused in its own thread: it never reaches a batch.)"""
     slots = _slots(caches)
-    for slot in slots:
-        if slot.broken:
-            raise StreamError("this stream's device caches were lost in a failed step; open a new stream")
     index = np.zeros(batch, np.int64)
     index[:len(slots)] = [s.index for s in slots]
     return index
@@ -380,8 +382,11 @@ class OrtBackend:
         self.generator_provider = active
         self.step_sizes = self._cuda.step_sizes if active == CUDA else None
         self.name = f"ort[{'cuda' if active == CUDA else 'cpu'}]"
-        log.info("hift_runtime: generator on %s%s; F0 on %s", active, f" ({reason})" if reason else "",
-                 self.f0_provider)
+        # A GPU that is there but unusable is worth a warning; the ordinary outcomes are INFO (the CLIs print the
+        # engine in their own line: backend.name).
+        surprising = device == "auto" and active != CUDA and reason.startswith(("CUDA EP could not", "this onnx"))
+        log.log(logging.WARNING if surprising else logging.INFO, "hift_runtime: generator on %s%s; F0 on %s", active,
+                f" ({reason})" if reason else "", self.f0_provider)
 
     def _open_slot_sessions(self, opts: ort.SessionOptions, providers: list[Any]) -> str:
         """The slot-form generator sessions and the device pool; returns the provider the step session got."""
@@ -433,6 +438,26 @@ class OrtBackend:
     def slots_in_use(self) -> int:
         return self._pool.in_use if self._pool is not None else 0
 
+    @property
+    def caches_in_place(self) -> bool:
+        """True on the CUDA EP: a generator step writes the stream's caches in its device slot (a step that ran cannot
+        be undone; the bookkeeping loses a stream whose push fails after one)."""
+        return self._pool is not None
+
+    def stream_capacity(self) -> int:
+        """How many streams this backend holds at once: the device slots (less a few for offline passes beside the
+        streams), or on the CPU a quarter of the memory available now, at each stream's host caches and pending mel."""
+        if self._pool is not None:
+            return max(1, self._pool.rows - 1 - OFFLINE_SLOTS)
+        per_stream = sum(int(np.prod(spec.shape)) * np.dtype(spec.dtype).itemsize
+                         for spec in (*self.constants.generator_caches, *self.constants.f0_caches))
+        per_stream = 2 * per_stream + (1 << 20)  # the caches twice while a step runs, and a chunk of mel and audio
+        try:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            available = 8 << 30
+        return int(max(16, min(MAX_DEFAULT_STREAMS, available // 4 // per_stream)))
+
     def new_caches(self, kind: str, batch: int = 1) -> Any:
         """Zero caches: NumPy arrays, or on the CUDA EP for the generator a device :class:`Slot` (its first step
         reads zeros, so a slot needs no clearing)."""
@@ -475,20 +500,14 @@ class OrtBackend:
         batch = next((b for b in self._cuda.batch_sizes if b >= rows), rows)  # the shapes warmup() prepared
         slots = _slot_indices(caches, batch)
         assert self._pool is not None
-        try:
-            size = feed["f0"].shape[1] - (0 if final else self.constants.source_look_ahead)
-            graph = self._graphs.get((size, batch, final))
-            if graph is not None and graph.captured:
-                return graph.run(feed, slots)
-            audio, phase = _run_slots(self._slot_final if final else self._slot_step,
-                                      {k: _pad_rows(v, batch) for k, v in feed.items()}, slots,
-                                      self._pool, self._cuda.device_id, self._plain)
-            return audio[:rows], phase[:rows]
-        except Exception:
-            if not final:  # the step may have written these rows before it failed: their streams cannot go on
-                for slot in _slots(caches):
-                    slot.broken = True
-            raise
+        size = feed["f0"].shape[1] - (0 if final else self.constants.source_look_ahead)
+        graph = self._graphs.get((size, batch, final))
+        if graph is not None and graph.captured:
+            return graph.run(feed, slots)
+        audio, phase = _run_slots(self._slot_final if final else self._slot_step,
+                                  {k: _pad_rows(v, batch) for k, v in feed.items()}, slots,
+                                  self._pool, self._cuda.device_id, self._plain)
+        return audio[:rows], phase[:rows]
 
     def warmup(self, step_sizes: tuple[int, ...] | None) -> None:
         """Prepare every fixed step size (and batch size) on the CUDA EP: build its cuDNN state and, with
@@ -562,8 +581,8 @@ def open_vocoder(artifacts: str | os.PathLike[str], *, device: Device = "auto",
     except (KeyError, TypeError, ValueError) as exc:
         raise ArtifactError(f"{manifest.root}/manifest.json: unreadable step contract ({exc}); re-export") from exc
     cuda = cuda or CudaOptions()
-    if max_streams is not None and cuda.slots < max_streams + 4:  # + offline passes running beside the streams
-        cuda = dataclasses.replace(cuda, slots=max_streams + 4)
+    if max_streams is not None and cuda.slots < max_streams + OFFLINE_SLOTS:  # + offline passes beside the streams
+        cuda = dataclasses.replace(cuda, slots=max_streams + OFFLINE_SLOTS)
     if batching is not False and cuda.batch_sizes == (1,):
         cuda = dataclasses.replace(cuda, batch_sizes=tuple(b for b in BATCH_SIZES if b <= max_batch))
     backend: Any = OrtBackend(manifest, constants, device=device, cuda=cuda, intra_op_threads=intra_op_threads)
@@ -578,5 +597,5 @@ def open_vocoder(artifacts: str | os.PathLike[str], *, device: Device = "auto",
         from .batching import PushScheduler
 
         vocoder.scheduler = PushScheduler(backend, max_batch=max_batch, max_wait_s=max_wait_ms / 1e3,
-                                          active=lambda: vocoder.active_pushes)
+                                          pushes_in_progress=lambda: vocoder.pushes_in_progress)
     return vocoder

@@ -12,7 +12,8 @@ equals one offline ``finalize=True`` pass (see ``hift_export/step.py`` for the s
 * **Generator steps.** A step over frames ``[a, a+c)`` reads mel up to ``a+c+4`` (``conv_pre``'s look-ahead) and the
   source of frame ``a+c``, so with ``n`` frames received the generator advances to ``n-4`` and the audio, which lags
   one frame, is final up to frame ``n-5``: 100 ms held back (upstream's scheme holds back 160 ms; the audio is the
-  same). A push becomes steps of the sizes in ``step_sizes`` (fixed shapes for CUDA graphs) or one step.
+  same). A push becomes steps of the sizes in ``step_sizes`` (fixed shapes for CUDA graphs), or steps of at most
+  ``max_step_frames`` (a step's memory grows with its length, so a long chunk never becomes one huge step).
 * **Phase.** The source's running phase sum is float64 and carried between steps. ``phase="upstream"`` (default)
   carries it unwrapped, so every step adds in exactly the order of one pass from frame 0 (upstream's rounding).
   ``phase="wrapped"`` drops whole turns (exact in real arithmetic: ``sin(2*pi*480*x)`` has period 1/480), which keeps
@@ -22,6 +23,11 @@ equals one offline ``finalize=True`` pass (see ``hift_export/step.py`` for the s
 
 Totals: exactly ``480 * frames`` samples. A stream's state is bounded: the caches (fixed size), at most
 ``4 + pending`` mel frames and F0 values, the phase.
+
+A push is all or nothing: the bookkeeping computes into locals and commits once every call has succeeded, so a failed
+or cancelled push leaves its stream as it was. One exception: a backend that keeps the caches on its device and
+writes them in place (``caches_in_place``) cannot undo a step that ran; a push that fails after such a step marks its
+stream *lost* (its next call raises :class:`StreamError`), and a cancelled one runs to its end instead of stopping.
 
 Thread safety: a :class:`StreamingVocoder` (and its backend's sessions) may serve many streams from many threads;
 calls on one :class:`VocoderStream` are serialised by its lock.
@@ -45,6 +51,9 @@ from .noise import NoiseTable
 # Outside this range the input is almost certainly not upstream's natural-log mel (log(clamp(., 1e-5)) >= -11.5).
 LOG_MEL_RANGE = (-30.0, 15.0)
 PHASE_MODES = ("upstream", "wrapped")
+# Without fixed step sizes (the CPU), a push's steps are at most this long: a step's activations grow with its length
+# (a 4 000-frame step took +1.4 GB on the reduced model), 64 frames keep them small at no measurable cost per frame.
+MAX_STEP_FRAMES = 64
 
 
 class StreamError(RuntimeError):
@@ -61,6 +70,41 @@ class MelError(ValueError):
 
 class MelTypeError(MelError, TypeError):
     """A mel of a non-float dtype (integer, bool, complex); the stream is left unchanged."""
+
+
+class PushCancelled(RuntimeError):
+    """A push was cancelled (KeyboardInterrupt in its thread, asyncio cancellation) before it changed anything: the
+    stream is as it was before the push, and usable."""
+
+
+class CancelToken:
+    """Lets another thread cancel a push in progress (what ``apush`` does when its task is cancelled). A cancelled
+    push stops at its next backend call and leaves its stream unchanged, unless it has already written device caches
+    in place: then it runs to its end (a step that ran cannot be undone), and the push counts as done."""
+
+    def __init__(self) -> None:
+        self._cancelled = threading.Event()
+        self._callbacks: list[Any] = []
+        self._lock = threading.Lock()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
+
+    def on_cancel(self, callback: Any) -> None:
+        """Call ``callback`` when cancelled (at once if it already is)."""
+        with self._lock:
+            if not self._cancelled.is_set():
+                self._callbacks.append(callback)
+                return
+        callback()
 
 
 @dataclass(frozen=True)
@@ -129,13 +173,16 @@ class StreamConstants:
                    f0_caches=tuple(CacheSpec.from_manifest(e) for e in step["f0_caches"]))
 
 
-def split_steps(count: int, sizes: tuple[int, ...] | None) -> list[int]:
-    """``count`` frames as steps: one step (``sizes=None``), or greedily the largest allowed sizes (``sizes`` must
-    contain 1, so every count splits)."""
+def split_steps(count: int, sizes: tuple[int, ...] | None, max_size: int | None = None) -> list[int]:
+    """``count`` frames as steps: greedily the largest allowed sizes (``sizes`` must contain 1, so every count
+    splits), or with ``sizes=None`` steps of ``max_size`` and one shorter remainder (one step if ``max_size`` is
+    None)."""
     if count <= 0:
         return []
     if sizes is None:
-        return [count]
+        if max_size is None:
+            return [count]
+        return [max_size] * (count // max_size) + ([count % max_size] if count % max_size else [])
     out = []
     for size in sorted(sizes, reverse=True):
         while count >= size:
@@ -157,20 +204,29 @@ class StepCall:
     def key(self) -> tuple[str, int]:
         return self.kind, self.args[0].shape[2]  # the step's mel frames fix every input's shape
 
+    # True for a generator step on a backend that writes the caches in place: once it ran, the push cannot be undone.
+    writes_caches: bool = False
+
     def run(self, backend: VocoderBackend) -> Any:
         if self.kind == "f0":
             return backend.f0_step(*self.args)
         return backend.generator_step(*self.args, self.kind == "final")
 
 
-def drive(steps: Generator[StepCall, Any, np.ndarray], backend: VocoderBackend) -> np.ndarray:
-    """Run a push's steps (:meth:`VocoderStream._steps`) one call at a time on ``backend``."""
-    result = None
+def drive(steps: Generator[StepCall, Any, np.ndarray], backend: VocoderBackend,
+          cancel: CancelToken | None = None) -> np.ndarray:
+    """Run a push's steps (:meth:`VocoderStream._steps`) one call at a time on ``backend``. Cancelled (``cancel``)
+    before a call that writes caches ran, it stops with :class:`PushCancelled`; after, it runs to its end."""
+    result, wrote = None, False
     while True:
         try:
             call = steps.send(result)
         except StopIteration as done:
             return done.value
+        if cancel is not None and cancel.cancelled and not wrote:
+            steps.close()
+            raise PushCancelled("the push was cancelled; the stream is unchanged")
+        wrote |= call.writes_caches
         result = call.run(backend)
 
 
@@ -194,7 +250,8 @@ class StreamingVocoder:
 
     def __init__(self, backend: VocoderBackend, constants: StreamConstants, noise: NoiseTable | None = None,
                  noise_seed: int = 0, phase: str = "upstream", step_sizes: tuple[int, ...] | None = None,
-                 max_streams: int | None = None, idle_timeout_s: float | None = None) -> None:
+                 max_streams: int | None = None, idle_timeout_s: float | None = None,
+                 max_step_frames: int = MAX_STEP_FRAMES) -> None:
         if phase not in PHASE_MODES:
             raise ValueError(f"phase must be one of {PHASE_MODES}, got {phase!r}")
         if step_sizes is not None:
@@ -205,14 +262,17 @@ class StreamingVocoder:
             raise ValueError(f"max_streams must be >= 1 (or None: no limit), got {max_streams}")
         if idle_timeout_s is not None and idle_timeout_s <= 0:
             raise ValueError(f"idle_timeout_s must be > 0 (or None: never), got {idle_timeout_s}")
+        if max_step_frames < 1:
+            raise ValueError(f"max_step_frames must be >= 1, got {max_step_frames}")
         self.phase_mode = phase
         self.step_sizes = step_sizes
+        self.max_step_frames = max_step_frames
         self.max_streams, self.idle_timeout_s = max_streams, idle_timeout_s
         # Open streams (weak: a stream its caller dropped frees its slot) and how many are inside a push right now
         # (a batching scheduler waits for partners only while some may still come).
         self._streams: weakref.WeakSet[VocoderStream] = weakref.WeakSet()
         self._registry = threading.Lock()
-        self._active = 0
+        self._pushes_in_progress = 0
         self.backend = backend
         # Set by open_vocoder(batching=...): pushes then run through it, batched with other streams' (batching.py).
         self.scheduler: Any = None
@@ -243,8 +303,9 @@ class StreamingVocoder:
         return len(self._streams)
 
     @property
-    def active_pushes(self) -> int:
-        return self._active
+    def pushes_in_progress(self) -> int:
+        """Streams inside a push right now (validated, running, or waiting for the scheduler)."""
+        return self._pushes_in_progress
 
     def reap(self) -> int:
         """Expire the streams idle longer than ``idle_timeout_s`` (their state is dropped, their slot freed);
@@ -257,24 +318,24 @@ class StreamingVocoder:
             return 0
         now, expired = time.monotonic(), 0
         for stream in list(self._streams):
-            if now - stream.last_used > self.idle_timeout_s and stream._expire():
+            if now - stream.idle_since > self.idle_timeout_s and stream._expire():
                 self._streams.discard(stream)
                 expired += 1
         return expired
 
-    def _closed(self, stream: "VocoderStream") -> None:
+    def _unregister(self, stream: "VocoderStream") -> None:
         with self._registry:
             self._streams.discard(stream)
 
     @contextlib.contextmanager
     def _pushing(self) -> Iterator[None]:
         with self._registry:
-            self._active += 1
+            self._pushes_in_progress += 1
         try:
             yield
         finally:
             with self._registry:
-                self._active -= 1
+                self._pushes_in_progress -= 1
 
     def warmup(self) -> None:
         """Prepare every step shape a stream can meet (CUDA graphs, cuDNN state) before the first request. A no-op on
@@ -284,16 +345,19 @@ class StreamingVocoder:
             prepare(self.step_sizes)
 
     def close(self) -> None:
-        """Stop the batching scheduler's threads (streams in a push then fail); nothing to do without one."""
+        """Stop the batching scheduler's threads: every push waiting in it fails at once with a clear error (a push
+        whose call is on the device gets its answer first); nothing to do without one."""
         if self.scheduler is not None:
             self.scheduler.close()
 
     def vocode(self, mel: np.ndarray) -> np.ndarray:
-        """One offline ``finalize=True`` pass over the whole mel: one F0 step and one final step from the start."""
+        """One offline ``finalize=True`` pass over the whole mel: one F0 step, one generator step and the final step
+        from the start (the reference a stream equals; its memory grows with the mel's length, a stream's does not)."""
         mel = validate_mel(mel, self.constants.in_channels)
         if mel.shape[1] == 0:
             return np.zeros(0, np.float32)
-        return VocoderStream(self)._advance(mel, final=True)  # not a registered stream: no slot, no limit
+        # Not a registered stream: no slot, no limit. Unbounded steps: one pass, as upstream computes it.
+        return VocoderStream(self, one_pass=True)._advance(mel, final=True)
 
 def validate_mel(mel: Any, channels: int) -> np.ndarray:
     """``[C, T]`` or ``[1, C, T]`` real floats -> contiguous float32 ``[C, T]``; raise :class:`MelError` otherwise.
@@ -328,11 +392,15 @@ def validate_mel(mel: Any, channels: int) -> np.ndarray:
 
 
 class VocoderStream:
-    """One utterance: ``push(mel_chunk) -> samples``, then ``finish() -> the held-back tail``."""
+    """One utterance: ``push(mel_chunk) -> samples``, then ``finish() -> the held-back tail`` (or ``finish(last_chunk)``:
+    the last chunk and the tail as one all-or-nothing call)."""
 
-    def __init__(self, vocoder: StreamingVocoder) -> None:
+    def __init__(self, vocoder: StreamingVocoder, one_pass: bool = False) -> None:
         self._v = vocoder
         c = self._c = vocoder.constants
+        # Steps without fixed sizes are at most this long; unbounded for the offline pass (one step, as upstream).
+        self._max_step = None if one_pass else vocoder.max_step_frames
+        self._in_place = bool(getattr(vocoder.backend, "caches_in_place", False))
         self._lock = threading.Lock()
         self._frames_in = 0
         self._position = 0  # frames the generator has computed; mel and F0 are kept from here on
@@ -341,10 +409,10 @@ class VocoderStream:
         self._phase = np.zeros((1, c.num_sines), np.float64)  # running phase sum at frame position - 1 (turns)
         self._f0_caches = vocoder.backend.new_caches("f0")
         self._gen_caches = vocoder.backend.new_caches("generator")
-        self._finished = False
-        self._expired = False
+        self._closed_as: str | None = None  # None while open; then "finished", "expired", "lost" or "closed"
+        self._caches_written = False  # a push in progress wrote in-place caches it has not committed yet
         self._warned_range = False
-        self.last_used = time.monotonic()
+        self.idle_since = time.monotonic()  # the end of the last call (idle expiry counts from here)
         self.stats = StreamStats()
 
     # ---- read-only views ---------------------------------------------------------------------------------------
@@ -354,69 +422,114 @@ class VocoderStream:
 
     @property
     def finished(self) -> bool:
-        return self._finished
+        return self._closed_as == "finished"
 
     @property
     def expired(self) -> bool:
         """True once the stream was idle longer than ``idle_timeout_s`` and its state was released."""
-        return self._expired
+        return self._closed_as == "expired"
+
+    @property
+    def lost(self) -> bool:
+        """True once a failed step may have written this stream's device caches: its state was released."""
+        return self._closed_as == "lost"
+
+    @property
+    def closed_as(self) -> str | None:
+        """Why the stream takes no more calls: ``"finished"``, ``"expired"``, ``"lost"``, ``"closed"``; None while it
+        is open."""
+        return self._closed_as
 
     @property
     def mel_cache_frames(self) -> int:
         return self._mel.shape[1]
 
-    # ---- the two calls ----------------------------------------------------------------------------------------
-    def push(self, mel: Any) -> np.ndarray:
-        with self._lock:
-            self._check_open("push()")
-            self.last_used = time.monotonic()
-            chunk = validate_mel(mel, self._c.in_channels)
-            self._warn_range(chunk)
-            if chunk.shape[1] == 0:
-                return np.zeros(0, np.float32)
-            with self._v._pushing():
-                return self._advance(chunk, final=False)
+    # ---- the calls ----------------------------------------------------------------------------------------------
+    def push(self, mel: Any, cancel: CancelToken | None = None) -> np.ndarray:
+        """Append a chunk; return the audio it releases. Refused (bad mel, closed stream), failed or cancelled, the
+        stream is as it was (see the module docstring for device caches)."""
+        return self._call("push()", mel, final=False, cancel=cancel)
 
-    def finish(self) -> np.ndarray:
-        with self._lock:
-            if self._finished:
-                raise StreamError("finish() called twice: the stream is already closed")
-            self._check_open("finish()")
-            with self._v._pushing():
-                out = self._advance(np.zeros((self._c.in_channels, 0), np.float32), final=True)
-            self._v._closed(self)
-            return out
+    def finish(self, mel: Any = None, cancel: CancelToken | None = None) -> np.ndarray:
+        """End the stream: the last chunk ``mel`` (optional) and everything held back, as one all-or-nothing call."""
+        return self._call("finish()", mel, final=True, cancel=cancel)
 
     async def apush(self, mel: Any) -> np.ndarray:
-        """``push`` from asyncio: runs in a worker thread, so concurrent streams' steps can batch."""
+        """``push`` from asyncio: runs in a worker thread, so concurrent streams' steps can batch. Cancelling the
+        task cancels the push (the stream is then unchanged, or the push completed: never half of it)."""
+        return await self._acall(self.push, mel)
+
+    async def afinish(self, mel: Any = None) -> np.ndarray:
+        return await self._acall(self.finish, mel)
+
+    async def _acall(self, call: Any, mel: Any) -> np.ndarray:
         import asyncio
 
-        return await asyncio.to_thread(self.push, mel)
+        token = CancelToken()
+        task = asyncio.ensure_future(asyncio.to_thread(call, mel, token))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            token.cancel()
+            # The push settles (stops, or runs to its end) before the cancellation goes on: a retry cannot overlap it.
+            with contextlib.suppress(BaseException):
+                await asyncio.wait([task])
+            raise
 
-    async def afinish(self) -> np.ndarray:
-        import asyncio
+    def _call(self, name: str, mel: Any, final: bool, cancel: CancelToken | None) -> np.ndarray:
+        with self._lock:
+            try:
+                if final and self._closed_as == "finished":
+                    raise StreamError("finish() called twice: the stream is already closed")
+                self._check_open(name)
+                chunk = (np.zeros((self._c.in_channels, 0), np.float32) if mel is None
+                         else validate_mel(mel, self._c.in_channels))
+                self._warn_range(chunk)
+                if chunk.shape[1] == 0 and not final:
+                    return np.zeros(0, np.float32)
+                with self._v._pushing():
+                    out = self._advance(chunk, final=final, cancel=cancel)
+                if final:
+                    self._v._unregister(self)
+                return out
+            finally:
+                self.idle_since = time.monotonic()
 
-        return await asyncio.to_thread(self.finish)
+    def close(self) -> None:
+        """Drop the stream without finishing it: its state (and device slot) is released at once; later calls raise
+        :class:`StreamError`. A no-op on a stream already closed."""
+        with self._lock:
+            if self._closed_as is None:
+                self._release("closed")
+        self._v._unregister(self)
 
     def _check_open(self, call: str) -> None:
-        if self._expired:
+        if self._closed_as == "expired":
             raise StreamError(f"{call} on a stream that expired after {self._v.idle_timeout_s} s idle; its state was "
                               f"released: open a new stream")
-        if self._finished:
+        if self._closed_as == "lost":
+            raise StreamError(f"{call} on a stream whose device caches were lost in a failed step; its state was "
+                              f"released: open a new stream")
+        if self._closed_as == "finished":
             raise StreamError(f"{call} after finish(): the stream is closed; open a new stream")
+        if self._closed_as == "closed":
+            raise StreamError(f"{call} after close(): the stream is closed; open a new stream")
 
     def _expire(self) -> bool:
         """Drop the state of an idle stream; False when a call holds it (it is not idle then)."""
         if not self._lock.acquire(blocking=False):
             return False
         try:
-            if self._finished:
-                return True
-            self._expired = True
-            self._mel = self._f0 = self._gen_caches = self._f0_caches = None
+            if self._closed_as is None:
+                self._release("expired")
             return True
         finally:
             self._lock.release()
+
+    def _release(self, why: str) -> None:
+        """Close the stream as ``why`` and drop its state (device caches go back to the backend)."""
+        self._closed_as = why
+        self._mel = self._f0 = self._gen_caches = self._f0_caches = None  # type: ignore[assignment]
 
     # ---- internals ----------------------------------------------------------------------------------------------
     def _warn_range(self, chunk: np.ndarray) -> None:
@@ -427,22 +540,48 @@ class VocoderStream:
             self._warned_range = True
             warnings.warn(f"mel values span [{lo:.1f}, {hi:.1f}], outside the natural-log mel range "
                           f"{LOG_MEL_RANGE} the vocoder was trained on (linear or dB mel?)", RuntimeWarning,
-                          stacklevel=3)
+                          stacklevel=4)
 
-    def _advance(self, chunk: np.ndarray, final: bool) -> np.ndarray:
+    def _advance(self, chunk: np.ndarray, final: bool, cancel: CancelToken | None = None) -> np.ndarray:
         """Run the steps the new frames allow: through the vocoder's scheduler (which batches them with other
-        streams' steps), or straight on its backend."""
+        streams' steps), or straight on its backend. A push that fails after it wrote in-place caches loses the
+        stream (those caches are ahead of its bookkeeping)."""
         scheduler = self._v.scheduler
-        if scheduler is not None:
-            return scheduler.run(self._steps(chunk, final))
-        return drive(self._steps(chunk, final), self._v.backend)
+        steps = self._steps(chunk, final)
+        try:
+            if scheduler is not None:
+                return scheduler.run(steps, cancel)
+            return drive(steps, self._v.backend, cancel)
+        except PushCancelled:  # cancelled only before any call that writes caches ran: nothing to undo
+            self._caches_written = False
+            raise
+        except BaseException:
+            if self._caches_written:
+                self._caches_written = False
+                self._release("lost")
+                self._v._unregister(self)
+            raise
+
+    def _generator_call(self, kind: str, mel: np.ndarray, f0: np.ndarray, position: int, frames: int,
+                        phase: np.ndarray, caches: Any) -> StepCall:
+        """A generator (or final) step from ``position``: its noise rows and ``first`` flag are the position's."""
+        spf = self._c.samples_per_frame
+        noise = self._v.noise.rows(position * spf, frames * spf)[None]
+        writes = self._in_place and kind == "generator"  # a final step leaves the caches: the stream ends
+        if writes:
+            self._caches_written = True  # until the commit, a failure (not a cancellation) loses the stream
+        return StepCall(kind, (mel[None], f0[None], noise, phase, np.array([[position == 0]]), caches), writes)
+
+    def _emitted(self, audio: np.ndarray, position: int) -> np.ndarray:
+        """A step's audio row, without the samples before the utterance on its first step (the audio lags)."""
+        return audio[0, self._c.audio_lag * self._c.samples_per_frame if position == 0 else 0:]
 
     def _steps(self, chunk: np.ndarray, final: bool) -> Generator[StepCall, Any, np.ndarray]:
         """The push as a coroutine: it yields each backend call it needs (:class:`StepCall`), is sent the call's
         result, and returns the emitted audio. Everything is computed into locals; the stream's state changes only
         once every call has succeeded (an error thrown in, or the coroutine closed, leaves it as it was)."""
-        c, noise_table = self._c, self._v.noise
-        spf = c.samples_per_frame
+        c = self._c
+        sizes, max_step = self._v.step_sizes, self._max_step
         base = self._position
         mel = np.concatenate([self._mel, chunk], axis=1) if chunk.shape[1] else self._mel
         n = self._frames_in + chunk.shape[1]
@@ -457,7 +596,7 @@ class VocoderStream:
             if final:
                 window = np.concatenate([window, np.zeros((c.in_channels, c.f0_look_ahead), np.float32)], axis=1)
             pieces_f0, pos = [f0], 0
-            for size in split_steps(target - f0_end, self._v.step_sizes):
+            for size in split_steps(target - f0_end, sizes, max_step):
                 out, f0_caches = yield StepCall("f0", (window[None, :, pos:pos + size + c.f0_look_ahead], f0_caches))
                 pieces_f0.append(out[0])
                 pos += size
@@ -468,28 +607,25 @@ class VocoderStream:
         phase, caches = self._phase, self._gen_caches
         position, pieces, steps = base, [], []
         limit = min(n - c.mel_look_ahead, f0_end - c.source_look_ahead)
-        for size in split_steps(limit - position, self._v.step_sizes):
+        for size in split_steps(limit - position, sizes, max_step):
             i = position - base
-            audio, phase, caches = yield StepCall("generator", (
-                mel[None, :, i: i + size + c.mel_look_ahead], f0[None, i: i + size + c.source_look_ahead],
-                noise_table.rows(position * spf, (size + c.source_look_ahead) * spf)[None], phase,
-                np.array([[position == 0]]), caches))
+            audio, phase, caches = yield self._generator_call(
+                "generator", mel[:, i: i + size + c.mel_look_ahead], f0[i: i + size + c.source_look_ahead],
+                position, size + c.source_look_ahead, phase, caches)
             if self._v.phase_mode == "wrapped":
                 phase = phase - np.floor(phase)
-            pieces.append(audio[0, c.audio_lag * spf if position == 0 else 0:])
+            pieces.append(self._emitted(audio, position))
             steps.append(size)
             position += size
         if final and n > position:
             i = position - base
-            audio, _, _ = yield StepCall("final", (mel[None, :, i:], f0[None, i:],
-                                                   noise_table.rows(position * spf, (n - position) * spf)[None],
-                                                   phase, np.array([[position == 0]]), caches))
-            pieces.append(audio[0, c.audio_lag * spf if position == 0 else 0:])
+            audio, _, _ = yield self._generator_call("final", mel[:, i:], f0[i:], position, n - position, phase, caches)
+            pieces.append(self._emitted(audio, position))
             steps.append(n - position)
             position = n
         # A copy, not views: a view would keep each step's output buffer alive for as long as the caller keeps it.
         emitted = np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
-        expected = (n if final else max(0, position - c.audio_lag)) * spf - self.stats.samples_out
+        expected = (n if final else max(0, position - c.audio_lag)) * c.samples_per_frame - self.stats.samples_out
         if emitted.shape[0] != expected:
             raise RuntimeError(f"backend {self._v.backend.name} returned {emitted.shape[0]} samples for steps {steps}; "
                                f"expected {expected}")
@@ -500,6 +636,7 @@ class VocoderStream:
         self._frames_in, self._position = n, position
         self._mel, self._f0 = mel[:, position - base:], f0[position - base:]
         self._phase, self._gen_caches, self._f0_caches = phase, caches, f0_caches
+        self._caches_written = False
         st.frames_in = n
         st.samples_out += emitted.shape[0]
         st.f0_frames = f0_end
@@ -508,7 +645,6 @@ class VocoderStream:
         st.generator_frames += sum(steps)
         st.max_step_frames = max([st.max_step_frames, *steps])
         if final:
-            self._finished = True
+            self._release("finished")
             self._mel = np.zeros((c.in_channels, 0), np.float32)
-            self._gen_caches = self._f0_caches = None
         return emitted

@@ -153,7 +153,8 @@ def test_a_failed_batched_call_fails_its_pushes_and_leaves_their_streams_unchang
 
     backend = _FailingOnce(alone.backend)
     vocoder = StreamingVocoder(backend, alone.constants)
-    vocoder.scheduler = PushScheduler(backend, max_batch=8, max_wait_s=0.2, active=lambda: vocoder.active_pushes)
+    vocoder.scheduler = PushScheduler(backend, max_batch=8, max_wait_s=0.2,
+                                      pushes_in_progress=lambda: vocoder.pushes_in_progress)
     mels = [random_mel(60, seed=70 + i) for i in range(3)]
     streams = [vocoder.stream() for _ in mels]
     heads = [s.push(m[:, :20]) for s, m in zip(streams, mels)]

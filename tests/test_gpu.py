@@ -69,22 +69,19 @@ def test_gpu_helpers_on_the_cpu():
     """The CUDA path's host-side helpers, which CI can run: batch padding, slot indices and the step split every push
     goes through."""
     from hift_runtime.sessions import Slot, _pad_rows, _slot_indices
-    from hift_runtime.streaming import StreamError, split_steps
+    from hift_runtime.streaming import split_steps
 
     padded = _pad_rows(np.ones((3, 2), np.float32), 8)
     assert padded.shape == (8, 2) and padded[:3].all() and not padded[3:].any()
     assert _pad_rows(padded, 8) is padded or np.array_equal(_pad_rows(padded, 8), padded)
     assert _slot_indices([Slot(5), Slot(2)], 4).tolist() == [5, 2, 0, 0]  # padding rows use the scratch row
     assert _slot_indices(Slot(7), 1).tolist() == [7]
-    broken = Slot(3)
-    broken.broken = True
-    with pytest.raises(StreamError, match="lost in a failed step"):
-        _slot_indices([Slot(1), broken], 2)
     sizes = (24, 16, 8, 4, 2, 1)
     for count in range(0, 200):
         steps = split_steps(count, sizes)
         assert sum(steps) == count and all(s in sizes for s in steps)
     assert split_steps(50, sizes) == [24, 24, 2] and split_steps(20, sizes) == [16, 4] and split_steps(7, None) == [7]
+    assert split_steps(150, None, 64) == [64, 64, 22] and split_steps(128, None, 64) == [64, 64]
 
 
 class _FakeDeviceValue:
@@ -289,3 +286,27 @@ def test_f0_graph_runner_on_the_cpu(small_artifacts, monkeypatch):
     np.testing.assert_array_equal(out["f0"], want_f0)
     for name, value in want_next.items():
         np.testing.assert_array_equal(out["next." + name], value)
+
+
+def test_the_backend_replays_a_captured_f0_graph(small_artifacts, monkeypatch):
+    """A batched F0 call whose (size, padded batch) was captured replays that graph (not the slower ordinary call)."""
+    import dataclasses
+
+    import hift_runtime.sessions as sessions
+    from hift_runtime.manifest import F0_STEP
+
+    cpu, f0_session = _on_fake_device(small_artifacts, monkeypatch, F0_STEP)
+    backend, c = cpu.backend, cpu.constants
+    graph = sessions._f0_graph(_FakeGraphSession(f0_session), 1, 8, 4, c, 0)
+    graph.capture({name: np.zeros_like(value.array) for name, value in graph.inputs.items()})
+    replays = []
+    replay = graph.replay
+    monkeypatch.setattr(graph, "replay", lambda *a: replays.append(a) or replay(*a))
+    backend._f0_graphs[(8, 4)] = graph
+    backend._cuda = dataclasses.replace(backend._cuda, batch_sizes=(1, 2, 4))
+    rng = np.random.default_rng(6)
+    mel = rng.standard_normal((3, 80, 8 + c.f0_look_ahead)).astype(np.float32) - 5
+    caches = {spec.name: rng.standard_normal((3, *spec.shape)).astype(spec.dtype) for spec in c.f0_caches}
+    f0, _ = backend._f0_step_on_device(mel, caches)
+    assert len(replays) == 1 and f0.shape == (3, 8)
+    np.testing.assert_array_equal(f0, backend.f0_step(mel, caches)[0])

@@ -150,7 +150,8 @@ def test_repository_driven_like_the_sequence_batcher_equals_offline(repo, small_
     offline = open_vocoder(small_artifacts.out, device="cpu")
     emulator = SequenceBatcherEmulator(repo)
     vocoder = StreamingVocoder(emulator, offline.constants, step_sizes=(24, 16, 8, 4, 2, 1))
-    vocoder.scheduler = PushScheduler(emulator, max_batch=8, max_wait_s=0.01, active=lambda: vocoder.active_pushes)
+    vocoder.scheduler = PushScheduler(emulator, max_batch=8, max_wait_s=0.01,
+                                      pushes_in_progress=lambda: vocoder.pushes_in_progress)
     rng = np.random.default_rng(12)
     mels = [random_mel(int(rng.integers(3, 90)), seed=40 + i) for i in range(6)]
     schedules = [[int(x) for x in rng.integers(1, 30, 6)] + [500] for _ in range(6)]
