@@ -115,11 +115,12 @@ class StreamTable:
         stream = None
         try:
             check_stream_id(sid)
+            found = None if request.start else self._find(sid)  # an unknown or ended stream is said first
             mel = validate_mel(request.mel, self.vocoder.constants.in_channels)  # refused: nothing opened or moved
             if mel.shape[1] > self.max_chunk_frames:
                 raise MelError(f"the chunk has {mel.shape[1]} frames, more than this server takes in one request "
                                f"({self.max_chunk_frames}); send it as several chunks")
-            stream = self._open(sid) if request.start else self._find(sid)
+            stream = self._open(sid) if found is None else found
             try:
                 # push + finish as one unit: a failed end request leaves the stream as it was.
                 audio = stream.finish(mel) if request.end else stream.push(mel)

@@ -96,3 +96,35 @@ def test_readme_python_snippet_runs(small_artifacts, tmp_path):
     result = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_a_stereo_wav_at_another_rate_is_said_in_one_line(small_artifacts, tmp_path, capsys):
+    import soundfile
+
+    from hift_runtime.audio_io import read_audio
+
+    mono, rate, _ = read_audio(SPEECH)
+    stereo = tmp_path / "stereo.wav"
+    soundfile.write(str(stereo), np.stack([mono[:9600], mono[:9600]], axis=1), 44100)
+    assert vocode_main(["--artifacts", str(small_artifacts.out), "--wav", str(stereo), "--out",
+                        str(tmp_path / "o.npy")]) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if "note:" in line]
+    assert notes == [f"hift-vocode: note: --wav {stereo}: 2 channels averaged to mono, resampled from 44100 Hz to "
+                     f"24000 Hz"]
+
+
+def test_a_mel_outside_the_log_range_warns_in_one_line(small_artifacts, tmp_path, capsys):
+    np.save(tmp_path / "mel.npy", np.full((80, 12), -40.0, np.float32))
+    assert vocode_main(["--artifacts", str(small_artifacts.out), "--mel", str(tmp_path / "mel.npy"), "--out",
+                        str(tmp_path / "o.npy"), "--quiet"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("hift-vocode: warning: mel values span [-40.0, -40.0]")
+
+
+def test_the_export_folder_is_readable_by_other_users(small_artifacts):
+    import os
+    import stat
+
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(small_artifacts.out.stat().st_mode) == 0o777 & ~umask  # as a plain mkdir makes it

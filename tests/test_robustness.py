@@ -121,13 +121,16 @@ def test_missing_file(artifacts_copy):
         open_vocoder(artifacts_copy)
 
 
-@pytest.mark.parametrize("how", ["truncated", "tampered"])
+@pytest.mark.parametrize("how", ["truncated", "longer", "tampered"])
 def test_damaged_graph(artifacts_copy, how):
     path = artifacts_copy / "hift_generator.weights"
     data = bytearray(path.read_bytes())
     if how == "truncated":
         path.write_bytes(bytes(data[: len(data) // 2]))
         match = "hift_generator.weights.*truncated"
+    elif how == "longer":
+        path.write_bytes(bytes(data) + b"\0" * 16)
+        match = "hift_generator.weights.*longer than written"
     else:
         data[len(data) // 2] ^= 0xFF
         path.write_bytes(bytes(data))

@@ -135,6 +135,9 @@ def server(small_artifacts, tmp_path_factory):
             assert process.poll() is None, log.read_text()[-3000:]
             assert time.monotonic() < deadline, "hift-serve did not become ready in 120 s: " + log.read_text()[-3000:]
             time.sleep(0.2)
+        # The ready line comes only once the model answers ready (the endpoint a load balancer's probe uses).
+        with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/models/hift_vocoder/ready", timeout=5) as ready:
+            assert ready.status == 200
         yield {"grpc": f"127.0.0.1:{grpc}", "http": f"http://127.0.0.1:{http}",
                "metrics": f"http://127.0.0.1:{metrics}/metrics", "process": process, "log": log}
     finally:
@@ -218,6 +221,12 @@ def test_hift_vocode_round_trip_through_the_server(server, small_artifacts, tmp_
                             "--device", "cpu", "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert local.returncode == 0, local.stderr
     assert max_abs(np.load(tmp_path / "out.npy"), np.load(tmp_path / "local.npy")) <= SERVED_TOLERANCE
+    zeros = run("--chunks", "0,24")  # a zero size sends nothing, as in-process
+    assert zeros.returncode == 0, zeros.stderr
+    bad = subprocess.run([sys.executable, "-m", "hift_runtime.cli", "--server", "ftp://h:1", "--mel",
+                          str(tmp_path / "in.npy"), "--out", str(tmp_path / "x.npy")], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "HOST:PORT" in bad.stderr
     refused = run("--phase", "wrapped")
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "server's settings" in refused.stderr
 
@@ -241,6 +250,53 @@ def test_server_stops_cleanly_on_sigterm(server):
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=60) == 0
     assert "hift-serve: stopped" in server["log"].read_text()
+    assert "Signal (" not in server["log"].read_text()  # tritonserver's own stop line goes to the Triton log
     port = int(server["grpc"].rsplit(":", 1)[1])
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", port)) != 0  # nothing listens any more
+
+
+def test_an_empty_release_is_reported_as_zero_samples(vocoder):
+    from hift_runtime import wire
+    from hift_runtime.server import make_infer_func
+
+    table = StreamTable(vocoder, workers=2)
+    infer = make_infer_func(table, 24000)
+    one = {wire.STREAM_ID: np.array([[b"e"]], dtype=object), wire.MEL: np.full((1, 80, 1), -4.0, np.float32),
+           wire.START: np.array([[True]]), wire.END: np.array([[False]])}
+    reply = infer([one])[0]  # one frame releases nothing yet (100 ms are held back)
+    assert int(reply[wire.SAMPLES][0, 0]) == 0 and reply[wire.AUDIO].shape == (1, 1)
+    assert reply[wire.ERROR][0, 0] == b""
+    table.handle([ChunkRequest("e", np.full((80, 1), -4.0, np.float32), end=True)])
+    table.close()
+
+
+class _FakeTritonClient:
+    """A tritonclient stand-in: a ready model whose metadata has no mel input; records its construction."""
+
+    made: list[dict] = []
+
+    def __init__(self, address, **kwargs) -> None:
+        _FakeTritonClient.made.append(kwargs)
+
+    def is_model_ready(self, model_name, **kwargs):
+        return True
+
+    def get_model_metadata(self, model_name, **kwargs):
+        return {"inputs": [{"name": "audio", "shape": [-1]}]}
+
+
+def test_client_errors_are_server_errors_and_http_keeps_its_timeout(monkeypatch):
+    import tritonclient.grpc
+    import tritonclient.http
+
+    from hift_runtime.client import ServerClient
+    from hift_runtime.wire import ServerError
+
+    with pytest.raises(ServerError, match="HOST:PORT"):
+        ServerClient("ftp://h:1")
+    for module, url in ((tritonclient.grpc, "h:1"), (tritonclient.http, "http://h:1")):
+        monkeypatch.setattr(module, "InferenceServerClient", _FakeTritonClient)
+        with pytest.raises(ServerError, match=f"{url}.*not a hift-serve model"):
+            ServerClient(url, timeout_s=7.5)
+    assert _FakeTritonClient.made[-1] == {"connection_timeout": 7.5, "network_timeout": 7.5}

@@ -90,7 +90,15 @@ class _Sequence:
 
 class SequenceBatcherEmulator:
     """The runtime's backend interface over the repository's two models, requests batched and states kept the way
-    Triton's sequence batcher does: a state starts at zeros with START, each output is the next request's input."""
+    Triton's sequence batcher does: a state starts at zeros with START, each output is the next request's input.
+
+    It also keeps Triton's sequence slots: a START takes one of the model's ``max_candidate_sequences`` (refused here
+    when none is free, where Triton would make it wait up to the idle timeout), and the client protocol frees them:
+    the stream's last request to *each* model carries END (emulated: a stream's last F0 request is the one whose 3
+    look-ahead frames are the zeros of the utterance's end, its last generator request the final step; a real client
+    knows its last requests). A START that fails inside the model still opens its sequence (Triton does
+    that); the client recovers by sending START again, which the runtime's bookkeeping does by itself (a failed push
+    changes nothing, so its retry is again the stream's first request)."""
 
     name = "triton-repo(emulated)"
 
@@ -100,12 +108,24 @@ class SequenceBatcherEmulator:
                          for kind, model in (("f0", "hift_f0"), ("generator", "hift_generator"))}
         self.states = {kind: {s.input_name: s for s in _config(repo / model / "config.pbtxt").sequence_batching.state}
                        for kind, model in (("f0", "hift_f0"), ("generator", "hift_generator"))}
+        self.candidates = {kind: _config(repo / model / "config.pbtxt").sequence_batching.oldest.max_candidate_sequences
+                           for kind, model in (("f0", "hift_f0"), ("generator", "hift_generator"))}
+        self.open: dict[str, set[int]] = {"f0": set(), "generator": set()}
+        self.fail_next_start: str | None = None  # a model whose next START request fails inside ONNX Runtime
         self.requests = 0
 
     def new_caches(self, kind: str, batch: int = 1):
         return _Sequence()
 
     def _run(self, kind, feed, sequences, start):
+        for seq, fresh in zip(sequences, start):
+            if fresh and id(seq) not in self.open[kind]:
+                if len(self.open[kind]) >= self.candidates[kind]:
+                    raise RuntimeError(f"{kind}: every sequence slot is held; a START would wait for the idle timeout")
+                self.open[kind].add(id(seq))
+        if self.fail_next_start == kind and any(start):
+            self.fail_next_start = None
+            raise RuntimeError(f"{kind}: injected failure of a START request (its sequence is open now)")
         for name, state in self.states[kind].items():
             rows = []
             for seq, fresh in zip(sequences, start):
@@ -125,6 +145,9 @@ class SequenceBatcherEmulator:
     def f0_step(self, mel, sequences):
         rows = sequences if isinstance(sequences, list) else [sequences]  # the batcher passes a list
         out = self._run("f0", {"mel": mel}, rows, [not s.state["f0"] for s in rows])
+        for i, seq in enumerate(rows):
+            if not mel[i, :, -3:].any():  # the zero look-ahead of the utterance's end: this request carried END
+                self.open["f0"].discard(id(seq))
         return out["f0"], sequences
 
     def generator_step(self, mel, f0, noise, phase_in, first, sequences, final):
@@ -138,6 +161,9 @@ class SequenceBatcherEmulator:
         out = self._run("generator", {"mel": mel, "f0": f0, "first": first, "end": np.full((rows, 1), final)},
                         sequences, list(first[:, 0]))
         # The runtime's contract: the step's audio including the frame before the utterance on a first step.
+        if final:  # the final step carried END: the sequence's slot is free
+            for seq in sequences:
+                self.open["generator"].discard(id(seq))
         width = 480 * (frames + (1 if final else 0))
         audio = np.zeros((rows, width), np.float32)
         for i in range(rows):
@@ -160,6 +186,30 @@ def test_repository_driven_like_the_sequence_batcher_equals_offline(repo, small_
         assert max_abs(audio, offline.vocode(mel)) <= REPO_TOLERANCE
     stats = vocoder.scheduler.stats
     assert stats.max_batch > 1  # interleaved sequences shared requests' batches
+    assert emulator.open == {"f0": set(), "generator": set()}  # every sequence was ended on both models
+
+
+def test_the_client_protocol_ends_both_sequences_and_recovers_from_a_failed_start(repo, small_artifacts):
+    from hift_export.triton_repo import SEQUENCE_IDLE_US
+
+    for model in ("hift_f0", "hift_generator"):  # an un-ended sequence cannot hold a slot for a minute
+        assert _config(repo / model / "config.pbtxt").sequence_batching.max_sequence_idle_microseconds == \
+            SEQUENCE_IDLE_US <= 10_000_000
+    offline = open_vocoder(small_artifacts.out, device="cpu")
+    emulator = SequenceBatcherEmulator(repo)
+    emulator.candidates = {"f0": 2, "generator": 2}
+    vocoder = StreamingVocoder(emulator, offline.constants, step_sizes=(24, 16, 8, 4, 2, 1))
+    for i in range(5):  # more streams than slots, one after another: each frees its slots at its end
+        mel = random_mel(20 + 7 * i, seed=60 + i)
+        stream = vocoder.stream()
+        if i == 1:  # the stream's very first request fails: nothing advanced anywhere, START again recovers
+            emulator.fail_next_start = "f0"
+            with pytest.raises(RuntimeError, match="injected failure of a START"):
+                stream.push(mel[:, :16])
+            assert stream.frames_in == 0
+        audio = np.concatenate([stream.push(mel[:, :16]), stream.finish(mel[:, 16:])])  # the retry STARTs again
+        assert max_abs(audio, offline.vocode(mel)) <= REPO_TOLERANCE
+    assert emulator.open == {"f0": set(), "generator": set()}
 
 
 def test_in_graph_noise_equals_the_runtime_table(repo):
