@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from hift_runtime.manifest import F0_STEP, GENERATOR_STEP, GENERATOR_STEP_FINAL, Manifest
+from hift_runtime.manifest import F0_STEP, GENERATOR_STEP, GENERATOR_STEP_FINAL, Manifest, triton_type
 
 F0_MODEL, GENERATOR_MODEL = "hift_f0", "hift_generator"
 POSITION, POSITION_OUT, SAMPLES, END = "position", "position_out", "samples", "end"
@@ -193,13 +193,9 @@ def sequence_generator(step: Any, final: Any, spf: int, seed: int, length: int, 
     return model
 
 
-def _dtype(name: str) -> str:
-    return {"float32": "TYPE_FP32", "float64": "TYPE_FP64", "int64": "TYPE_INT64", "bool": "TYPE_BOOL"}[name]
-
-
 def _state(input_name: str, output_name: str, dtype: str, dims: list[int]) -> str:
-    return (f"  state [{{ input_name: \"{input_name}\" output_name: \"{output_name}\" data_type: {_dtype(dtype)} "
-            f"dims: {dims} initial_state: {{ data_type: {_dtype(dtype)} dims: {dims} zero_data: true "
+    return (f"  state [{{ input_name: \"{input_name}\" output_name: \"{output_name}\" data_type: {triton_type(dtype)} "
+            f"dims: {dims} initial_state: {{ data_type: {triton_type(dtype)} dims: {dims} zero_data: true "
             f"name: \"zeros\" }} }}]\n")
 
 

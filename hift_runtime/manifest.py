@@ -18,6 +18,19 @@ MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 4  # 4: the slot form reads and writes a flat pool element by element (3: + the slot form of the
 # generator steps; 2: stateful step graphs; 1: bounded-window graphs)
 METADATA_PREFIX = "hift."
+# The one dtype table: the manifest spells dtypes as NumPy does; what ONNX Runtime and Triton's configs call them.
+DTYPE_NAMES = {"float32": ("float", "TYPE_FP32"), "float64": ("double", "TYPE_FP64"),
+               "int64": ("int64", "TYPE_INT64"), "bool": ("bool", "TYPE_BOOL")}
+
+
+def ort_type(dtype: str) -> str:
+    """``"float32"`` -> ``"tensor(float)"``, as ONNX Runtime reports a tensor's type."""
+    return f"tensor({DTYPE_NAMES[dtype][0]})" if dtype in DTYPE_NAMES else f"tensor({dtype})"
+
+
+def triton_type(dtype: str) -> str:
+    """``"float32"`` -> ``"TYPE_FP32"``, as a Triton model config spells it."""
+    return DTYPE_NAMES[dtype][1]
 
 # Roles of the artifacts (keys of manifest["artifacts"]).
 GENERATOR_STEP = "generator_step"

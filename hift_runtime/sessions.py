@@ -18,7 +18,7 @@ import onnxruntime as ort
 
 from .manifest import (F0_STEP, GENERATOR_STEP, GENERATOR_STEP_FINAL, GENERATOR_STEP_FINAL_SLOTS, GENERATOR_STEP_SLOTS,
                        METADATA_PREFIX, POOL_OUTPUT, RUNTIME_ROLES, ArtifactError,
-                       Manifest, read_manifest)
+                       Manifest, ort_type, read_manifest)
 from .noise import NoiseTable
 from .streaming import CacheSpec, OverloadError, StreamConstants, StreamingVocoder
 
@@ -79,10 +79,6 @@ def nvidia_driver_present() -> bool:
     return os.path.exists("/proc/driver/nvidia/version") or os.path.exists("/dev/nvidiactl")
 
 
-def _ort_type(dtype: str) -> str:  # the manifest spells NumPy dtypes; ORT spells ONNX element types
-    return f"tensor({ {'float32': 'float', 'float64': 'double'}.get(dtype, dtype)})"
-
-
 def _zero_step_feed(c: StreamConstants, size: int, batch: int, final: bool = False) -> dict[str, np.ndarray]:
     """Zero inputs (the utterance start) of a generator step of ``size`` frames for ``batch`` streams."""
     mel, src = (size, size) if final else (size + c.mel_look_ahead, size + c.source_look_ahead)
@@ -96,8 +92,8 @@ def _check_signature(session: ort.InferenceSession, entry: dict[str, Any], cache
     """The graph's inputs and outputs are the manifest's, and every cache input/output has the layout's shape."""
     got_in = [(v.name, v.type) for v in session.get_inputs()]
     got_out = [(v.name, v.type) for v in session.get_outputs()]
-    want_in = [(v["name"], _ort_type(v["dtype"])) for v in entry["inputs"]]
-    want_out = [(v["name"], _ort_type(v["dtype"])) for v in entry["outputs"]]
+    want_in = [(v["name"], ort_type(v["dtype"])) for v in entry["inputs"]]
+    want_out = [(v["name"], ort_type(v["dtype"])) for v in entry["outputs"]]
     if got_in != want_in or got_out != want_out:
         raise ArtifactError(f"{path}: graph signature inputs {got_in} -> outputs {got_out} differs from the "
                             f"manifest's {want_in} -> {want_out}; the file does not belong to this manifest")
@@ -105,7 +101,7 @@ def _check_signature(session: ort.InferenceSession, entry: dict[str, Any], cache
     types = dict(got_in + got_out)
     for spec in caches:
         for name in (CACHE_PREFIX + spec.name, NEXT_PREFIX + spec.name):
-            if name in shapes and (list(shapes[name]) != list(spec.shape) or types[name] != _ort_type(spec.dtype)):
+            if name in shapes and (list(shapes[name]) != list(spec.shape) or types[name] != ort_type(spec.dtype)):
                 raise ArtifactError(f"{path}: {name} is {shapes[name]} {types[name]}, the "
                                     f"manifest's cache layout says {list(spec.shape)} {spec.dtype}; re-export")
         if CACHE_PREFIX + spec.name not in shapes:

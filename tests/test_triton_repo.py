@@ -13,7 +13,7 @@ import pytest
 
 from hift_runtime import open_vocoder
 from hift_runtime.batching import PushScheduler
-from hift_runtime.manifest import read_manifest
+from hift_runtime.manifest import DTYPE_NAMES, read_manifest
 from hift_runtime.streaming import StreamingVocoder
 
 from hift_export.targets import STEP_TOLERANCE
@@ -24,7 +24,7 @@ from .test_streaming import random_mel, stream_all
 # The repository computes what the runtime computes (the same step graphs; its noise hash is exact integer
 # arithmetic): the offline pass's own tolerance for streamed audio.
 REPO_TOLERANCE = 1e-6
-STATE_DTYPES = {"TYPE_FP32": np.float32, "TYPE_FP64": np.float64, "TYPE_INT64": np.int64}
+STATE_DTYPES = {triton: np.dtype(name).type for name, (_, triton) in DTYPE_NAMES.items()}  # the one table, read back
 
 
 @pytest.fixture(scope="module")
