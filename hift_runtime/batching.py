@@ -117,10 +117,9 @@ class PushScheduler:
         self.stats = BatchStats()
         self._arrivals: list[_Push] = []
         self._cancellations: list[_Push] = []
-        self._handed_over = 0  # pushes handed over and not yet done
+        self._handed_over: set[_Push] = set()  # pushes handed over and not yet done (what close() fails if it must)
         self._cv = threading.Condition()
         self._closing = False
-        self._held: list[_Push] = []  # every push the loop holds (ready or on the device), for close()
         # The batched calls run here, so the scheduler thread keeps Python work going while the device computes.
         self._device = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hift-batch-call")
         self._thread = threading.Thread(target=self._loop, name="hift-scheduler", daemon=True)
@@ -135,7 +134,7 @@ class PushScheduler:
                 steps.close()
                 raise SchedulerClosed("the vocoder's scheduler is closed (vocoder.close() was called)")
             self._arrivals.append(push)
-            self._handed_over += 1
+            self._handed_over.add(push)
             self._cv.notify()
         if cancel is not None:
             cancel.on_cancel(lambda: self._cancel(push))
@@ -158,8 +157,7 @@ class PushScheduler:
             self._cv.notify()
         self._thread.join(timeout=timeout_s)
         with self._cv:  # the loop did not end in time (a call hangs on the device): fail what it still holds
-            leftovers = [p for p in self._held + self._arrivals if not p.done.is_set()]
-            self._arrivals = []
+            leftovers = list(self._handed_over)
         for p in leftovers:
             self._fail(p, SchedulerClosed("the vocoder's scheduler was closed (vocoder.close()) while this push waited "
                                           "for the device"), close_steps=False)
@@ -186,7 +184,6 @@ class PushScheduler:
                         self._cv.wait()
                 arrivals, self._arrivals = self._arrivals, []
                 cancellations, self._cancellations = self._cancellations, []
-                self._held = ready + (flight.group if flight is not None else []) + arrivals
                 closing = self._closing
             if closing:
                 closed = SchedulerClosed("the vocoder's scheduler was closed (vocoder.close()) during this push")
@@ -223,7 +220,7 @@ class PushScheduler:
     def _partner_wait(self, group: list[_Push]) -> float:
         """How much longer the next group (:meth:`_group_of`) waits for partners: > 0 only while streams inside a
         push have not been handed over yet and its oldest call has waited less than ``max_wait_s``."""
-        if len(group) >= self.max_batch or self.pushes_in_progress() <= self._handed_over:
+        if len(group) >= self.max_batch or self.pushes_in_progress() <= len(self._handed_over):
             return 0.0
         return self.max_wait_s - (time.monotonic() - group[0].call_ready_at)
 
@@ -314,7 +311,7 @@ class PushScheduler:
         with self._cv:
             if push.done.is_set():
                 return
-            self._handed_over -= 1
+            self._handed_over.discard(push)
             push.done.set()
 
 
