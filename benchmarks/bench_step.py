@@ -310,7 +310,7 @@ def gpu_arms(args, result: dict[str, Any]) -> None:
                        ("cuda_graphs_tf32", CudaOptions(use_tf32=True))):
         try:
             t0 = time.perf_counter()
-            v = open_vocoder(artifacts, device="cuda", cuda=opts)
+            v = open_vocoder(artifacts, device="cuda", cuda=opts, engine="ort")
             v.warmup()
             gpu[name] = (v, time.perf_counter() - t0)
         except Exception as exc:  # noqa: BLE001 - recorded in the results

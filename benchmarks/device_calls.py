@@ -48,7 +48,8 @@ def main() -> None:
     from hift_runtime.sessions import _zero_step_feed
 
     t0 = time.perf_counter()
-    vocoder = open_vocoder(args.artifacts, device="cuda", cuda=CudaOptions(use_tf32=args.tf32), batching=True)
+    vocoder = open_vocoder(args.artifacts, device="cuda", cuda=CudaOptions(use_tf32=args.tf32), batching=True,
+                           engine="ort")
     vocoder.warmup()
     warmup_s = time.perf_counter() - t0
     backend, c = vocoder.backend, vocoder.constants

@@ -16,12 +16,14 @@ from .model import DEFAULT_SEED
 def _parser() -> argparse.ArgumentParser:
     p = OneLineArgumentParser(
         prog="hift-export",
-        description="Export the CosyVoice3 HiFT vocoder (generator + F0 predictor) to ONNX and TorchScript.")
+        description="Export the CosyVoice3 HiFT vocoder (generator + F0 predictor) to ONNX, TorchScript and the "
+                    "compiled engine's folded weights.")
     p.add_argument("--checkpoint", help="upstream hift.pt (any accepted key spelling); omit for seeded random "
                                         "weights (a demo, not a trained vocoder)")
     p.add_argument("--out", default="artifacts", help="output folder (default: artifacts/)")
-    p.add_argument("--formats", default="onnx,torchscript",
-                   help="comma-separated subset of onnx,torchscript (default: both)")
+    p.add_argument("--formats", default="onnx,torchscript,weights",
+                   help="comma-separated subset of onnx,torchscript,weights (default: all; weights = the folded "
+                        "weights the compiled engine loads)")
     p.add_argument("--opset", type=int, default=18, help="ONNX opset, >= 18 (default 18)")
     p.add_argument("--f0-precision", default="fp64", choices=["fp64", "fp32"],
                    help="arithmetic inside the F0 graph (inputs/outputs are float32 either way): fp64 reproduces "

@@ -45,8 +45,10 @@ from .onnx_export import export_onnx, onnx_runners
 from .step import dtype_name, step_contract
 from .targets import ARTIFACT_FILES, STEP_TOLERANCE, ExportError, check_against_eager, judge
 from .torchscript_export import export_torchscript, torchscript_runners
+from .weights_export import export_folded_weights
 
-FORMATS = ("onnx", "torchscript")
+# "weights": the folded weights as a weights-only torch file, for the compiled engine (hift_runtime.compiled).
+FORMATS = ("onnx", "torchscript", "weights")
 # Precision inside the F0 graph; its inputs and outputs are float32 either way. "fp64" computes like upstream
 # (bit-exact F0 on the fixture); "fp32" uses float32 Conv, ~20 % faster, but its rounding depends on the input length
 # (stepped F0 then differs from one pass by ~3e-3 Hz, which the phase integral turns into ~1e-3 of audio, 50 dB).
@@ -169,6 +171,8 @@ def export_artifacts(checkpoint: CheckpointSource | None = None, out: str | os.P
             figures["torchscript"] = check_against_eager(hift, f0_dtype, *torchscript_runners(staging, leads))
             log("[check] TorchScript vs eager step: " + _fmt(figures["torchscript"]))
             judge(figures["torchscript"], "TorchScript step graphs")
+        if "weights" in formats:
+            artifacts.update(export_folded_weights(hift, staging, log))
         for entry in artifacts.values():
             path = staging / entry["file"]
             entry["bytes"] = path.stat().st_size

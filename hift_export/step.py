@@ -133,32 +133,11 @@ def _resblock_step(block: ResBlock, x: torch.Tensor, prefix: str, caches: dict[s
     return x
 
 
-def generator_step(gen: CausalHiFTGenerator, mel: torch.Tensor, f0: torch.Tensor, noise: torch.Tensor,
-                   phase_in: torch.Tensor, first: torch.Tensor, caches: dict[str, torch.Tensor],
-                   final: bool) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """One generator step (see the module docstring). Returns ``(audio, phase_out, new caches)``; the final step
-    returns no caches."""
-    if gen.spectral.mode != "conv":
-        raise ValueError("the step form needs the generator built with spectral='conv'")
+def _trunk(gen: CausalHiFTGenerator, mel: torch.Tensor, s_stft: torch.Tensor, first3: torch.Tensor,
+           caches: dict[str, torch.Tensor], new: dict[str, torch.Tensor], final: bool) -> torch.Tensor:
+    """The convolution trunk of a generator step: ``conv_pre``, the upsampling stages with their source branches and
+    resblocks, ``conv_post``; writes its caches into ``new``."""
     cfg = gen.config
-    new: dict[str, torch.Tensor] = {}
-    first3 = first.reshape(-1, 1, 1)
-    half = cfg.n_fft // 2
-
-    # Source: frames [a, a+c+1) (stream) or [a, N) (final); the STFT frames [120a, 120(a+c)] from it.
-    source, cum = gen.m_source(f0, noise, phase_in)
-    phase_out = cum[:, -1] if final else cum[:, -2]
-    # Every slice below is relative to an end with a constant offset, so each shape is affine in c (no data-dependent
-    # sizes for torch.export).
-    spf = cfg.samples_per_frame
-    head = torch.where(first3, torch.flip(source[..., 1:half + 1], dims=[-1]), caches["source"])
-    if final:
-        src = torch.cat([head, source, torch.flip(source[..., -half - 1:-1], dims=[-1])], dim=-1)
-    else:
-        src = torch.cat([head, source[..., : half - spf]], dim=-1)  # up to 8 samples into frame a+c
-        new["source"] = source[..., -spf - half: -spf]
-    s_stft = F.conv1d(src, gen.spectral.stft_kernel, stride=cfg.hop_len)  # 120c + 1 frames
-
     x = gen.conv_pre(mel, pad_right=final)
     last = len(gen.ups) - 1
     downs = cfg.source_down_rates
@@ -187,6 +166,48 @@ def generator_step(gen: CausalHiFTGenerator, mel: torch.Tensor, f0: torch.Tensor
         x = xs / gen.num_kernels
     x = F.leaky_relu(x, cfg.post_lrelu_slope)
     x, new["conv_post"] = _cached_conv(gen.conv_post, x, caches["conv_post"])
+    return x
+
+
+def generator_step(gen: CausalHiFTGenerator, mel: torch.Tensor, f0: torch.Tensor, noise: torch.Tensor,
+                   phase_in: torch.Tensor, first: torch.Tensor, caches: dict[str, torch.Tensor],
+                   final: bool, trunk_dtype: torch.dtype | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """One generator step (see the module docstring). Returns ``(audio, phase_out, new caches)``; the final step
+    returns no caches.
+
+    ``trunk_dtype`` (e.g. ``torch.float16``): the convolution trunk (``conv_pre`` .. ``conv_post``, the source
+    resblocks included) under autocast to that dtype; the source, its STFT, the phase and the iSTFT head stay float32,
+    and the trunk's output is made finite before the head (an overflow in half precision must not become NaN audio).
+    The caches the trunk writes are then in that dtype."""
+    if gen.spectral.mode != "conv":
+        raise ValueError("the step form needs the generator built with spectral='conv'")
+    cfg = gen.config
+    new: dict[str, torch.Tensor] = {}
+    first3 = first.reshape(-1, 1, 1)
+    half = cfg.n_fft // 2
+
+    # Source: frames [a, a+c+1) (stream) or [a, N) (final); the STFT frames [120a, 120(a+c)] from it.
+    source, cum = gen.m_source(f0, noise, phase_in)
+    phase_out = cum[:, -1] if final else cum[:, -2]
+    # Every slice below is relative to an end with a constant offset, so each shape is affine in c (no data-dependent
+    # sizes for torch.export).
+    spf = cfg.samples_per_frame
+    head = torch.where(first3, torch.flip(source[..., 1:half + 1], dims=[-1]), caches["source"])
+    if final:
+        src = torch.cat([head, source, torch.flip(source[..., -half - 1:-1], dims=[-1])], dim=-1)
+    else:
+        src = torch.cat([head, source[..., : half - spf]], dim=-1)  # up to 8 samples into frame a+c
+        new["source"] = source[..., -spf - half: -spf]
+    s_stft = F.conv1d(src, gen.spectral.stft_kernel, stride=cfg.hop_len)  # 120c + 1 frames
+
+    if trunk_dtype is None:
+        x = _trunk(gen, mel, s_stft, first3, caches, new, final)
+    else:
+        with torch.autocast(mel.device.type, dtype=trunk_dtype):
+            x = _trunk(gen, mel, s_stft, first3, caches, new, final)
+        limit = torch.finfo(trunk_dtype).max
+        x = torch.nan_to_num(x.float(), nan=0.0, posinf=limit, neginf=-limit)
 
     # iSTFT: overlap-add of this step's frames, plus the carried partial sums; the envelope (sum of squared windows)
     # is that of the frames that exist: none before the utterance start, none past its end.

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hift_runtime.manifest import (F0_STEP, GENERATOR_STEP, GENERATOR_STEP_FINAL, GENERATOR_STEP_FINAL_SLOTS,
+from hift_runtime.manifest import (F0_STEP, FOLDED_WEIGHTS, GENERATOR_STEP, GENERATOR_STEP_FINAL, GENERATOR_STEP_FINAL_SLOTS,
                                    GENERATOR_STEP_SLOTS, GENERATOR_WEIGHTS)
 from hift_runtime.metrics import max_abs
 
@@ -24,6 +24,7 @@ ARTIFACT_FILES = {
     GENERATOR_STEP_FINAL_SLOTS: "hift_generator_step_final_slots.onnx",
     GENERATOR_WEIGHTS: "hift_generator.weights",
     F0_STEP: "hift_f0_step.onnx",
+    FOLDED_WEIGHTS: "hift_folded.pt",
     "ts_" + GENERATOR_STEP: "hift_generator_step.ts",
     "ts_" + GENERATOR_STEP_FINAL: "hift_generator_step_final.ts",
     "ts_" + F0_STEP: "hift_f0_step.ts",

@@ -106,6 +106,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--phase", choices=["upstream", "wrapped"],
                    help="carried phase: upstream rounding (default) or wrapped (more accurate on long streams)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], help="generator device (default auto)")
+    p.add_argument("--engine", choices=["auto", "ort", "compiled"], default="auto",
+                   help="auto (default): the compiled engine on a CUDA device when torch with CUDA is installed, "
+                        "else ONNX Runtime; ort; compiled (torch.compile, CUDA)")
+    p.add_argument("--precision", choices=["fp32", "tf32", "fp16"], default="fp32",
+                   help="fp32 (default, TF32 off: parity), tf32, fp16 (compiled engine only); see BENCHMARKS.md")
     p.add_argument("--check", action="store_true",
                    help="also run eager PyTorch through the same bookkeeping and compare (needs torch + hift_export)")
     p.add_argument("--checkpoint", help="checkpoint for --check when the manifest's path is not available")
@@ -139,13 +144,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         # One stream: no batching; warmup() captures the few step shapes it meets (a no-op on the CPU).
         vocoder = open_vocoder(args.artifacts, device=args.device or "auto", noise_table=args.noise_table,
-                               noise_seed=args.noise_seed or 0, phase=args.phase or "upstream", batching=False)
-        vocoder.warmup()
+                               noise_seed=args.noise_seed or 0, phase=args.phase or "upstream", batching=False,
+                               engine=args.engine, precision=args.precision)
+        vocoder.warmup(progress=lambda message: say(f"hift-vocode: {message}", flush=True))
         mel = validate_mel(read_mel(args.mel) if args.mel else _wav_mel(args.wav, say),
                            vocoder.constants.in_channels)
         sizes = chunk_sizes(schedule, mel.shape[1])
         sample_rate = vocoder.constants.sample_rate
-        say(f"hift-vocode: generator on {vocoder.backend.name}; {mel.shape[1]} frames "
+        say(f"hift-vocode: generator on {vocoder.backend.name} ({vocoder.engine_reason}); {mel.shape[1]} frames "
             f"({mel.shape[1] * vocoder.constants.samples_per_frame / sample_rate:.2f} s of audio)", flush=True)
         started = time.perf_counter()
         if args.offline:

@@ -37,6 +37,8 @@ GENERATOR_STEP = "generator_step"
 GENERATOR_STEP_FINAL = "generator_step_final"
 F0_STEP = "f0_step"
 GENERATOR_WEIGHTS = "generator_weights"
+# The folded weights of both modules, weights-only torch file: what the compiled engine loads (hift_runtime.compiled).
+FOLDED_WEIGHTS = "folded_weights"
 # The same steps with the caches in a device-resident pool, one row per stream (hift_export/slots.py): the CUDA path.
 GENERATOR_STEP_SLOTS = "generator_step_slots"
 GENERATOR_STEP_FINAL_SLOTS = "generator_step_final_slots"

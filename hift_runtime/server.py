@@ -100,6 +100,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="Prometheus metrics port (default 8002)")
     p.add_argument("--model-name", default=wire.MODEL_NAME, help=f"model name (default {wire.MODEL_NAME})")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="generator device")
+    p.add_argument("--engine", choices=["auto", "ort", "compiled"], default="auto",
+                   help="auto (default): the compiled engine on a CUDA device when torch with CUDA is installed, "
+                        "else ONNX Runtime; ort; compiled (torch.compile, CUDA; compiles at start)")
+    p.add_argument("--precision", choices=["fp32", "tf32", "fp16"], default="fp32",
+                   help="fp32 (default, TF32 off: parity), tf32, fp16 (compiled engine only); see BENCHMARKS.md")
     p.add_argument("--max-batch", type=int, default=64,
                    help="most requests in one Triton batch, and streams in one batched step (default 64)")
     p.add_argument("--max-wait-ms", type=float, default=2.0,
@@ -139,10 +144,13 @@ def open_table(args: argparse.Namespace) -> tuple[StreamingVocoder, StreamTable]
 
     vocoder = open_vocoder(args.artifacts, device=args.device, noise_seed=args.noise_seed, phase=args.phase,
                            batching=True, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
-                           max_streams=args.max_streams, idle_timeout_s=args.idle_timeout_s)
+                           max_streams=args.max_streams, idle_timeout_s=args.idle_timeout_s, engine=args.engine,
+                           precision=args.precision)
     if vocoder.max_streams is None:  # nothing a client sends may grow the server without bound
         vocoder.max_streams = vocoder.backend.stream_capacity()
-    vocoder.warmup()
+    print(f"hift-serve: generator on {vocoder.backend.name} ({vocoder.engine_reason}); preparing every step shape",
+          flush=True)
+    vocoder.warmup(progress=lambda message: print(f"hift-serve: {message}", flush=True))
     return vocoder, StreamTable(vocoder, workers=args.max_batch, max_chunk_frames=args.max_chunk_frames)
 
 

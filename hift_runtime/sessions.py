@@ -8,23 +8,23 @@ import dataclasses
 import json
 import logging
 import os
-import threading
-import weakref
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 import onnxruntime as ort
 
-from .manifest import (F0_STEP, GENERATOR_STEP, GENERATOR_STEP_FINAL, GENERATOR_STEP_FINAL_SLOTS, GENERATOR_STEP_SLOTS,
+from .manifest import (F0_STEP, FOLDED_WEIGHTS, GENERATOR_STEP, GENERATOR_STEP_FINAL, GENERATOR_STEP_FINAL_SLOTS, GENERATOR_STEP_SLOTS,
                        METADATA_PREFIX, POOL_OUTPUT, RUNTIME_ROLES, ArtifactError,
                        Manifest, ort_type, read_manifest)
 from .noise import NoiseTable
-from .streaming import CacheSpec, OverloadError, StreamConstants, StreamingVocoder
+from .slots import Slot, SlotPoolFull, SlotRows  # noqa: F401 - SlotPoolFull re-exported
+from .streaming import CacheSpec, StreamConstants, StreamingVocoder
 
 log = logging.getLogger("hift_runtime")
 Device = Literal["auto", "cuda", "cpu"]
 DEVICES = ("auto", "cuda", "cpu")
+PRECISIONS = ("fp32", "tf32", "fp16")  # the compiled engine's (hift_runtime.compiled); ONNX Runtime runs the first two
 CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
 CACHE_PREFIX, NEXT_PREFIX = "cache.", "next."
@@ -143,49 +143,22 @@ class _StepSession:
         return lead, nxt
 
 
-class SlotPoolFull(OverloadError):
-    """Every device cache slot is taken: as many streams are open as the pool has rows."""
-
-
-class Slot:
-    """One stream's generator caches on the device: a row of the :class:`SlotPool`, given back when the stream
-    lets go of it (finished, expired, lost or dropped)."""
-
-    __slots__ = ("index", "__weakref__")
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-
-
 class SlotPool:
     """Every open stream's generator caches in one device buffer ``[rows, R]`` (``R`` floats a stream), bound to the
     slot-form step graphs as their ``pool`` input and, in place, their ``pool_out`` output. Row 0 is scratch: the
     padding rows of a batch read and write it."""
 
     def __init__(self, rows: int, row_floats: int, device_id: int) -> None:
-        if rows < 2:
-            raise ValueError(f"a slot pool needs at least 2 rows (one scratch), got {rows}")
+        self.free = SlotRows(rows, "CudaOptions(slots=...)")
         self.rows, self.row_floats = rows, row_floats
         self.value = ort.OrtValue.ortvalue_from_shape_and_type([rows, row_floats], np.float32, "cuda", device_id)
-        self._free = list(range(rows - 1, 0, -1))
-        self._lock = threading.Lock()
 
     def acquire(self) -> Slot:
-        with self._lock:
-            if not self._free:
-                raise SlotPoolFull(f"all {self.rows - 1} device cache slots are in use (one per open stream); finish "
-                                   f"streams, or open the vocoder with more (CudaOptions(slots=...) or max_streams)")
-            slot = Slot(self._free.pop())
-        weakref.finalize(slot, self._release, slot.index)
-        return slot
-
-    def _release(self, index: int) -> None:
-        with self._lock:
-            self._free.append(index)
+        return self.free.acquire()
 
     @property
     def in_use(self) -> int:
-        return self.rows - 1 - len(self._free)
+        return self.free.in_use
 
     def bind(self, binding: Any, device_id: int, write: bool) -> None:
         """Bind the pool (flat, as the slot form takes it) as a graph's ``pool`` input and, when the graph writes it,
@@ -505,7 +478,7 @@ class OrtBackend:
                                   self._pool, self._cuda.device_id, self._plain)
         return audio[:rows], phase[:rows]
 
-    def warmup(self, step_sizes: tuple[int, ...] | None) -> None:
+    def warmup(self, step_sizes: tuple[int, ...] | None, progress: Any = None) -> None:
         """Prepare every fixed step size (and batch size) on the CUDA EP: build its cuDNN state and, with
         ``cuda_graphs``, capture its CUDA graph, on the device thread every later call runs on (so nothing else runs
         on the device during a capture). A no-op on the CPU, where nothing is compiled."""
@@ -554,24 +527,62 @@ class OrtBackend:
             self._graphs[(size, batch, final)] = graph
 
 
+ENGINES = ("auto", "ort", "compiled")
+
+
+def _choose_engine(engine: str, device: str, manifest: Manifest) -> tuple[str, str]:
+    """``auto`` -> the compiled engine on a CUDA device when torch with CUDA is importable and the export has its
+    weights, else ONNX Runtime; with the reason (said in the CLIs' engine line)."""
+    if engine != "auto":
+        return engine, f"engine={engine!r} requested"
+    if device == "cpu":
+        return "ort", "the CPU runs ONNX Runtime"
+    if not nvidia_driver_present():
+        return "ort", "no NVIDIA driver on this host"
+    try:
+        import torch
+    except ImportError:
+        return "ort", "torch is not installed (the compiled engine needs torch with CUDA)"
+    if not torch.cuda.is_available():
+        return "ort", "this torch has no CUDA device"
+    if FOLDED_WEIGHTS not in manifest.data.get("artifacts", {}):
+        return "ort", "the export has no folded weights for the compiled engine (re-export with hift-export)"
+    return "compiled", "a CUDA device and torch with CUDA"
+
+
 def open_vocoder(artifacts: str | os.PathLike[str], *, device: Device = "auto",
                  noise_table: str | os.PathLike[str] | None = None, noise_seed: int = 0,
                  cuda: CudaOptions | None = None, verify_hashes: bool = True, intra_op_threads: int = 0,
                  phase: str = "upstream", step_sizes: tuple[int, ...] | None = None, batching: bool | None = None,
                  max_batch: int = 256, max_wait_ms: float = 3.0, max_streams: int | None = None,
-                 idle_timeout_s: float | None = None) -> StreamingVocoder:
+                 idle_timeout_s: float | None = None, engine: str = "auto",
+                 precision: str = "fp32") -> StreamingVocoder:
     """Open an export folder: verify the files the runtime loads, create the sessions once, return a
     :class:`StreamingVocoder`. Streams created from it share the sessions; each has its own small state.
 
-    ``step_sizes``: fixed generator step sizes (default: ``cuda.step_sizes`` on the CUDA EP, any size on the CPU).
+    ``engine``: ``"auto"`` (the default: the compiled engine on a CUDA device where torch with CUDA is importable,
+    else ONNX Runtime; ``vocoder.engine_reason`` says why), ``"ort"`` (ONNX Runtime: the CPU's engine, and the stock
+    Triton repository's) or ``"compiled"`` (the step compiled by ``torch.compile``, :mod:`hift_runtime.compiled`;
+    needs torch; on the CPU it runs the same code eagerly).
+    ``precision``: ``"fp32"`` (TF32 off, parity), ``"tf32"``, or ``"fp16"`` (compiled engine only); measured
+    distances in BENCHMARKS.md.
+    ``step_sizes``: fixed generator step sizes (default: ``cuda.step_sizes`` on the GPU, any size on the CPU).
     ``batching``: gather concurrent streams' steps into batched calls (:mod:`hift_runtime.batching`; default: on
-    with the CUDA EP, off on the CPU), at most ``max_batch`` streams a call, waiting at most ``max_wait_ms`` for
+    with a GPU, off on the CPU), at most ``max_batch`` streams a call, waiting at most ``max_wait_ms`` for
     partners (a lone stream never waits). ``max_streams``: open streams at most (:class:`OverloadError` beyond);
     ``idle_timeout_s``: a stream untouched that long is expired and its slot freed.
     """
     if device not in DEVICES:
         raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
-    manifest = read_manifest(artifacts, verify=RUNTIME_ROLES if verify_hashes else None)
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    manifest = read_manifest(artifacts, verify=None)
+    engine, reason = _choose_engine(engine, device, manifest)
+    if verify_hashes:
+        for role in ((FOLDED_WEIGHTS,) if engine == "compiled" else RUNTIME_ROLES):
+            manifest.verify(role)
     try:
         constants = StreamConstants.from_manifest(manifest.config, manifest.step)
     except (KeyError, TypeError, ValueError) as exc:
@@ -581,17 +592,43 @@ def open_vocoder(artifacts: str | os.PathLike[str], *, device: Device = "auto",
         cuda = dataclasses.replace(cuda, slots=max_streams + OFFLINE_SLOTS)
     if batching is not False and cuda.batch_sizes == (1,):
         cuda = dataclasses.replace(cuda, batch_sizes=tuple(b for b in BATCH_SIZES if b <= max_batch))
-    backend: Any = OrtBackend(manifest, constants, device=device, cuda=cuda, intra_op_threads=intra_op_threads)
+    if engine == "compiled":
+        backend: Any = _compiled_backend(manifest, constants, device, precision, cuda)
+        on_gpu = backend.on_cuda
+    else:
+        if precision == "fp16":
+            raise ValueError("precision 'fp16' is the compiled engine's (engine='compiled'); ONNX Runtime runs fp32 "
+                             "or tf32")
+        if precision == "tf32":
+            cuda = dataclasses.replace(cuda, use_tf32=True)
+        backend = OrtBackend(manifest, constants, device=device, cuda=cuda, intra_op_threads=intra_op_threads)
+        on_gpu = backend.generator_provider == CUDA
     if batching is None:
-        batching = backend.generator_provider == CUDA
+        batching = on_gpu
     noise = (NoiseTable.from_npy(noise_table, constants.num_sines) if noise_table is not None
              else NoiseTable.seeded(noise_seed, constants.noise_table_length, constants.num_sines))
     vocoder = StreamingVocoder(backend, constants, noise, phase=phase,
                                step_sizes=step_sizes if step_sizes is not None else backend.step_sizes,
                                max_streams=max_streams, idle_timeout_s=idle_timeout_s)
+    vocoder.engine_reason = reason
     if batching:
         from .batching import PushScheduler
 
         vocoder.scheduler = PushScheduler(backend, max_batch=max_batch, max_wait_s=max_wait_ms / 1e3,
                                           pushes_in_progress=lambda: vocoder.pushes_in_progress)
     return vocoder
+
+
+def _compiled_backend(manifest: Manifest, constants: StreamConstants, device: str, precision: str,
+                      cuda: CudaOptions) -> Any:
+    """The compiled engine (imports torch): on CUDA device ``cuda.device_id`` unless ``device='cpu'``."""
+    try:
+        from .compiled import CompiledBackend
+    except ImportError as exc:
+        raise ArtifactError(f"the compiled engine needs torch ({exc}); install torch, or use engine='ort'") from exc
+    if device == "cuda" or (device == "auto" and nvidia_driver_present()):
+        target = f"cuda:{cuda.device_id}"
+    else:
+        target = "cpu"
+    return CompiledBackend(manifest, constants, device=target, precision=precision, step_sizes=cuda.step_sizes,
+                           batch_sizes=cuda.batch_sizes, slots=cuda.slots)

@@ -18,7 +18,8 @@ equals one offline ``finalize=True`` pass (see ``hift_export/step.py`` for the s
   carries it unwrapped, so every step adds in exactly the order of one pass from frame 0 (upstream's rounding).
   ``phase="wrapped"`` drops whole turns (exact in real arithmetic: ``sin(2*pi*480*x)`` has period 1/480), which keeps
   the float32 rounding at small magnitudes: more accurate than upstream on long streams, not bit-faithful to it.
-* **Noise.** Rows of the :class:`~hift_runtime.noise.NoiseTable` by absolute sample.
+* **Noise.** Rows of the :class:`~hift_runtime.noise.NoiseTable` by absolute sample (or, for a backend that holds
+  the table on its device, the first row's index).
 * **Finish.** The final step covers the remaining frames with zero look-ahead and emits everything held back.
 
 Totals: exactly ``480 * frames`` samples. A stream's state is bounded: the caches (fixed size), at most
@@ -141,7 +142,10 @@ class VocoderBackend(Protocol):
 
     def generator_step(self, mel: np.ndarray, f0: np.ndarray, noise: np.ndarray, phase_in: np.ndarray,
                        first: np.ndarray, caches: Any, final: bool) -> tuple[np.ndarray, np.ndarray, Any]:
-        """One generator step (``hift_export.step``): ``(audio [B, S], phase_out [B, 9] float64, next caches)``."""
+        """One generator step (``hift_export.step``): ``(audio [B, S], phase_out [B, 9] float64, next caches)``.
+
+        A backend with ``takes_noise_positions = True`` is given ``use_noise_table(table)`` once, and then as ``noise``
+        each row's first sample index ``[B, 1]`` int64 instead of the rows: it gathers them on its device."""
         ...
 
 
@@ -276,11 +280,14 @@ class StreamingVocoder:
         self.backend = backend
         # Set by open_vocoder(batching=...): pushes then run through it, batched with other streams' (batching.py).
         self.scheduler: Any = None
+        self.engine_reason = ""  # why open_vocoder(engine="auto") chose this backend (the CLIs print it)
         self.constants = constants
         self.noise = noise if noise is not None else NoiseTable.seeded(noise_seed, constants.noise_table_length,
                                                                        constants.num_sines)
         if self.noise.columns != constants.num_sines:
             raise ValueError(f"noise table has {self.noise.columns} columns, the model needs {constants.num_sines}")
+        if getattr(backend, "takes_noise_positions", False):
+            backend.use_noise_table(self.noise)  # it gathers each step's rows on its device
         if self.noise.length < constants.noise_table_length:
             warnings.warn(f"noise table {self.noise.source} has {self.noise.length} rows, the model's has "
                           f"{constants.noise_table_length}: streams longer than {self.noise.length} samples reuse its rows "
@@ -337,12 +344,13 @@ class StreamingVocoder:
             with self._registry:
                 self._pushes_in_progress -= 1
 
-    def warmup(self) -> None:
-        """Prepare every step shape a stream can meet (CUDA graphs, cuDNN state) before the first request. A no-op on
+    def warmup(self, progress: Any = None) -> None:
+        """Prepare every step shape a stream can meet (compiles, CUDA graphs, cuDNN state) before the first request;
+        ``progress(message)`` is told how far it got (the compiled engine's warmup takes minutes cold). A no-op on
         backends that compile nothing."""
         prepare = getattr(self.backend, "warmup", None)
         if prepare is not None:
-            prepare(self.step_sizes)
+            prepare(self.step_sizes, progress)
 
     def close(self) -> None:
         """Stop the batching scheduler's threads: every push waiting in it fails at once with a clear error (a push
@@ -401,6 +409,7 @@ class VocoderStream:
         # Steps without fixed sizes are at most this long; unbounded for the offline pass (one step, as upstream).
         self._max_step = None if one_pass else vocoder.max_step_frames
         self._in_place = bool(getattr(vocoder.backend, "caches_in_place", False))
+        self._noise_positions = bool(getattr(vocoder.backend, "takes_noise_positions", False))
         self._lock = threading.Lock()
         self._frames_in = 0
         self._position = 0  # frames the generator has computed; mel and F0 are kept from here on
@@ -566,7 +575,10 @@ class VocoderStream:
                         phase: np.ndarray, caches: Any) -> StepCall:
         """A generator (or final) step from ``position``: its noise rows and ``first`` flag are the position's."""
         spf = self._c.samples_per_frame
-        noise = self._v.noise.rows(position * spf, frames * spf)[None]
+        if self._noise_positions:  # the backend reads the noise table itself: its first row's index is enough
+            noise = np.array([[position * spf]], np.int64)
+        else:
+            noise = self._v.noise.rows(position * spf, frames * spf)[None]
         writes = self._in_place and kind == "generator"  # a final step leaves the caches: the stream ends
         if writes:
             self._caches_written = True  # until the commit, a failure (not a cancellation) loses the stream

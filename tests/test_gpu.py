@@ -32,7 +32,7 @@ def test_unknown_device_is_refused(small_artifacts):
 @pytest.mark.skipif(not HAS_GPU, reason="no NVIDIA GPU / CUDA EP on this host")
 def test_cuda_stream_matches_cpu(small_artifacts):
     cpu = open_vocoder(small_artifacts.out, device="cpu")
-    gpu = open_vocoder(small_artifacts.out, device="cuda", cuda=CudaOptions(), batching=False)
+    gpu = open_vocoder(small_artifacts.out, device="cuda", cuda=CudaOptions(), batching=False, engine="ort")
     assert gpu.backend.generator_provider == "CUDAExecutionProvider"
     gpu.warmup()
     mel = random_mel(200, 5)
@@ -49,7 +49,7 @@ def test_cuda_concurrent_streams_in_device_slots_match_cpu(small_artifacts):
     each equals its CPU stream, nothing crashes while graphs replay under concurrency (the captures all happen in
     warmup(), on the device thread), and every slot is given back."""
     cpu = open_vocoder(small_artifacts.out, device="cpu")
-    gpu = open_vocoder(small_artifacts.out, device="cuda", max_wait_ms=5)
+    gpu = open_vocoder(small_artifacts.out, device="cuda", max_wait_ms=5, engine="ort")
     gpu.warmup()
     rng = np.random.default_rng(17)
     mels = [random_mel(int(rng.integers(10, 160)), seed=i) for i in range(17)]

@@ -1,0 +1,315 @@
+"""The compiled engine: the step (``hift_export.step``) compiled by ``torch.compile`` (inductor: elementwise chains
+fused into Triton kernels, cuDNN convolutions), behind the same bookkeeping and scheduler as the ONNX Runtime engine.
+
+* **Weights**: the folded weights the exporter writes (``hift_folded.pt``, weights only, checked by hash like every
+  file), loaded into fresh modules built from the manifest's config: the original ``hift.pt`` is never needed.
+* **Caches**: every open stream's generator caches in one device tensor ``[rows, R]`` (a :class:`~.slots.Slot` per
+  stream, row 0 scratch for a batch's padding rows), read and written in place by the compiled step; a stream's first
+  step reads zeros instead of its row. The F0 caches (small, float64) travel with each call, as on ONNX Runtime.
+* **Noise**: the noise table lives on the device; each step gathers its rows from the first row's index (no 432 KB of
+  noise per stream-step crosses the bus).
+* **CUDA graphs**: at :meth:`warmup`, every (step size, batch size) of the stream step and of the F0 step, and the
+  4-frame final step at every batch size, is compiled (one dynamic-batch compile serves all sizes), run, and captured;
+  a call then copies its inputs into the graph's buffers, replays, and copies audio and phase out.
+* **Precision** (:data:`PRECISIONS`): ``fp32`` (TF32 off: parity, the default), ``tf32`` (TF32 convolutions and
+  matmuls), ``fp16`` (the convolution trunk in half precision; source, STFT, phase and iSTFT head in float32). The F0
+  step always runs in the export's F0 precision (float64 by default).
+
+On the CPU (no compile, or ``compile=True`` for inductor's C++ backend) the same code runs eagerly: that is how CI
+checks the engine's pool, noise gather and bookkeeping against the ONNX Runtime engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from .manifest import FOLDED_WEIGHTS, ArtifactError, Manifest
+from .noise import NoiseTable
+from .sessions import OFFLINE_SLOTS, PRECISIONS
+from .slots import Slot, SlotRows
+from .streaming import StreamConstants
+
+log = logging.getLogger("hift_runtime")
+DEFAULT_PRECISION = "fp32"
+# Batch sizes captured for cross-stream batching (a batch of B streams runs on the smallest size >= B, padded).
+BATCH_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
+STEP_SIZES = (24, 16, 8, 4, 2, 1)
+
+
+def load_folded(manifest: Manifest, device: torch.device) -> tuple[Any, Any]:
+    """The generator (``spectral='conv'``, on ``device``) and the F0 predictor (in the export's F0 precision, on
+    ``device``) with the exporter's folded weights."""
+    from hift_export.config import HiFTConfig
+    from hift_export.folding import fold_weight_norms
+    from hift_export.model import build_unfolded
+
+    path = manifest.path(FOLDED_WEIGHTS)
+    config = HiFTConfig.from_dict(manifest.config)
+    generator, predictor = build_unfolded(config, spectral="conv")
+    fold_weight_norms(generator)
+    fold_weight_norms(predictor)
+    f0_dtype = torch.float64 if manifest.data.get("f0_precision", "fp64") == "fp64" else torch.float32
+    predictor = predictor.to(f0_dtype)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        generator.load_state_dict(state["generator"], strict=True)
+        predictor.load_state_dict(state["f0_predictor"], strict=True)
+    except (RuntimeError, KeyError, TypeError, OSError) as exc:
+        raise ArtifactError(f"{path}: cannot load the folded weights into the manifest's model "
+                            f"({str(exc).splitlines()[0][:300]}); re-export") from exc
+    if f0_dtype == torch.float64:
+        predictor.impl = "matmul"  # the exported F0 graph's form (same values, same order of operations)
+    return generator.to(device).eval().requires_grad_(False), predictor.to(device).eval().requires_grad_(False)
+
+
+class _Captured:
+    """One call of ``fn`` at one fixed shape as a CUDA graph: static input buffers, outputs read after replay."""
+
+    def __init__(self, fn: Callable[..., tuple[torch.Tensor, ...]], example: list[torch.Tensor], pool: Any) -> None:
+        self.inputs = [x.clone() for x in example]
+        self.batch = example[0].shape[0]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # a few runs before capture (inductor's autotuning, cuDNN's plans)
+            for _ in range(2):
+                fn(*self.inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.outputs = fn(*self.inputs)
+
+    def run(self, values: list[np.ndarray], rows: int) -> list[np.ndarray]:
+        for buffer, value in zip(self.inputs, values):
+            buffer.copy_(torch.from_numpy(_pad_rows(value, self.batch)))
+        self.graph.replay()
+        return [out[:rows].cpu().numpy() for out in self.outputs]
+
+
+def _pad_rows(value: np.ndarray, batch: int) -> np.ndarray:
+    """``value`` with zero rows appended up to ``batch`` rows (zero slot: the scratch row)."""
+    value = np.ascontiguousarray(value)
+    if value.shape[0] == batch:
+        return value
+    return np.concatenate([value, np.zeros((batch - value.shape[0], *value.shape[1:]), value.dtype)])
+
+
+class CompiledBackend:
+    """A :class:`~hift_runtime.streaming.VocoderBackend` over the compiled step (see the module docstring).
+
+    ``device``: ``"cuda"``, ``"cuda:N"`` or ``"cpu"``. ``compile``: compile with ``torch.compile`` (default: on CUDA);
+    ``cuda_graphs``: capture at :meth:`warmup` (CUDA only). ``slots``: device cache rows (one per open stream).
+    """
+
+    caches_in_place = True
+    takes_noise_positions = True
+
+    def __init__(self, manifest: Manifest, constants: StreamConstants, device: str = "cuda",
+                 precision: str = DEFAULT_PRECISION, compile: bool | None = None, cuda_graphs: bool = True,
+                 step_sizes: tuple[int, ...] | None = STEP_SIZES, batch_sizes: tuple[int, ...] = BATCH_SIZES,
+                 slots: int = 2048) -> None:
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ArtifactError("the compiled engine was asked for CUDA, but torch sees no CUDA device (a CPU build "
+                                "of torch, or no GPU); use engine='ort' or device='cpu'")
+        if precision != "fp32" and self.device.type != "cuda":
+            raise ValueError(f"precision {precision!r} is for CUDA devices; the CPU runs fp32")
+        self.manifest, self.constants, self.precision = manifest, constants, precision
+        self.on_cuda = self.device.type == "cuda"
+        self.compiled = self.on_cuda if compile is None else compile
+        self.cuda_graphs = cuda_graphs and self.on_cuda
+        self.step_sizes = step_sizes if self.on_cuda else None
+        self.batch_sizes = tuple(sorted(set(batch_sizes))) if self.on_cuda else (1,)
+        self.name = f"compiled[{self.device.type}:{precision}]" if self.compiled else f"torch[{self.device.type}]"
+        self.generator, self.predictor = load_folded(manifest, self.device)
+        self._trunk_dtype = torch.float16 if precision == "fp16" else None
+        c = constants
+        self._names = [spec.name for spec in c.generator_caches]
+        self._shapes = [spec.shape for spec in c.generator_caches]
+        self._sizes = [int(np.prod(spec.shape)) for spec in c.generator_caches]
+        self.row_floats = sum(self._sizes)
+        self._rows = SlotRows(slots + 1, "slots=...")
+        self.pool = torch.zeros(slots + 1, self.row_floats, dtype=torch.float32, device=self.device)
+        self._table: torch.Tensor | None = None
+        self._lock = threading.Lock()  # one call on the device at a time (CUDA graphs share buffers)
+        self._graphs: dict[tuple[str, int, int], _Captured] = {}
+        self._graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
+        step = self._step
+        f0 = self._f0
+        if self.compiled:
+            step = torch.compile(step, dynamic=True)
+            self._final_fn = torch.compile(self._final, dynamic=True)
+        else:
+            self._final_fn = self._final
+        self._step_fn, self._f0_fn = step, f0
+        self.compiles_at_warmup: int | None = None
+
+    # ---- the functions compiled (pure tensor code) -----------------------------------------------------------------
+    def _caches(self, slots: torch.Tensor, first: torch.Tensor) -> dict[str, torch.Tensor]:
+        rows = self.pool.index_select(0, slots)
+        rows = torch.where(first, torch.zeros((), dtype=rows.dtype, device=rows.device), rows)  # a start reads zeros
+        parts = torch.split(rows, self._sizes, dim=1)
+        return {name: part.reshape(-1, *shape) for name, shape, part in zip(self._names, self._shapes, parts)}
+
+    def _noise(self, start: torch.Tensor, frames: int) -> torch.Tensor:
+        assert self._table is not None
+        samples = frames * self.constants.samples_per_frame
+        index = (start + torch.arange(samples, device=start.device)) % self._table.shape[0]
+        return self._table[index]
+
+    def _step(self, mel: torch.Tensor, f0: torch.Tensor, start: torch.Tensor, phase_in: torch.Tensor,
+              first: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from hift_export.step import generator_step
+
+        caches = self._caches(slots, first)
+        audio, phase, new = generator_step(self.generator, mel, f0, self._noise(start, f0.shape[1]), phase_in, first,
+                                           caches, False, self._trunk_dtype)
+        flat = torch.cat([new[name].reshape(mel.shape[0], -1).float() for name in self._names], dim=1)
+        self.pool.index_copy_(0, slots, flat)
+        return audio, phase
+
+    def _final(self, mel: torch.Tensor, f0: torch.Tensor, start: torch.Tensor, phase_in: torch.Tensor,
+               first: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from hift_export.step import generator_step
+
+        caches = self._caches(slots, first)
+        audio, phase, _ = generator_step(self.generator, mel, f0, self._noise(start, f0.shape[1]), phase_in, first,
+                                         caches, True, self._trunk_dtype)
+        return audio, phase
+
+    def _f0(self, mel: torch.Tensor, *caches: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        from hift_export.step import f0_step
+
+        f0, nxt = f0_step(self.predictor, mel, dict(zip(self._f0_names, caches)))
+        return (f0, *(nxt[name] for name in self._f0_names))
+
+    @property
+    def _f0_names(self) -> list[str]:
+        return [spec.name for spec in self.constants.f0_caches]
+
+    # ---- the backend protocol ----------------------------------------------------------------------------------------
+    def use_noise_table(self, noise: NoiseTable) -> None:
+        """Put the whole noise table on the device (259 MB for CosyVoice3's 300 s): steps gather their rows there."""
+        table = noise.rows(0, noise.length)
+        self._table = torch.from_numpy(table).to(self.device)
+
+    @property
+    def slots_in_use(self) -> int:
+        return self._rows.in_use
+
+    def stream_capacity(self) -> int:
+        return max(1, self._rows.rows - 1 - OFFLINE_SLOTS)
+
+    def new_caches(self, kind: str, batch: int = 1) -> Any:
+        if kind == "generator":
+            if batch != 1:
+                raise ValueError("device slots are taken one stream at a time")
+            return self._rows.acquire()
+        return {spec.name: spec.zeros(batch) for spec in self.constants.f0_caches}
+
+    @contextlib.contextmanager
+    def _precision(self) -> Iterator[None]:
+        """The precision's TF32 switches around a call (they are process-wide in torch; fp32 turns them off)."""
+        tf32 = self.precision == "tf32"
+        matmul = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        try:
+            with torch.backends.cudnn.flags(enabled=True, allow_tf32=tf32), torch.inference_mode():
+                yield
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = matmul
+
+    def _batch(self, rows: int) -> int:
+        return next((b for b in self.batch_sizes if b >= rows), rows)
+
+    def f0_step(self, mel: np.ndarray, caches: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        rows = mel.shape[0]
+        values = [mel, *(np.asarray(caches[name]) for name in self._f0_names)]
+        with self._lock, self._precision():
+            graph = self._graphs.get(("f0", mel.shape[2] - self.constants.f0_look_ahead, self._batch(rows)))
+            if graph is not None:
+                out = graph.run(values, rows)
+            else:
+                out = [t.cpu().numpy() for t in self._f0_fn(*(torch.from_numpy(v).to(self.device) for v in values))]
+        return out[0], dict(zip(self._f0_names, out[1:]))
+
+    def generator_step(self, mel: np.ndarray, f0: np.ndarray, noise: np.ndarray, phase_in: np.ndarray,
+                       first: np.ndarray, caches: Any, final: bool) -> tuple[np.ndarray, np.ndarray, Any]:
+        if self._table is None:
+            raise RuntimeError("the compiled engine has no noise table: it is set by StreamingVocoder "
+                               "(use_noise_table)")
+        slots = caches if isinstance(caches, list) else [caches]
+        rows = mel.shape[0]
+        values = [mel, f0, noise.reshape(rows, 1).astype(np.int64), phase_in, first,
+                  np.array([s.index for s in slots], np.int64)]
+        size = f0.shape[1] - (0 if final else self.constants.source_look_ahead)
+        with self._lock, self._precision():
+            graph = self._graphs.get(("final" if final else "generator", size, self._batch(rows)))
+            if graph is not None:
+                audio, phase = graph.run(values, rows)
+            else:
+                fn = self._final_fn if final else self._step_fn
+                audio, phase = (t.cpu().numpy() for t in fn(*(torch.from_numpy(np.ascontiguousarray(v)).to(self.device)
+                                                               for v in values)))
+        return audio, phase, (None if final else caches)  # the next caches are in the same slots
+
+    # ---- warmup: compile and capture every shape a stream meets ------------------------------------------------------
+    def warmup(self, step_sizes: tuple[int, ...] | None, progress: Callable[[str], None] | None = None) -> None:
+        """Compile and capture (CUDA): every step size x batch size of the stream and F0 steps, the final steps. A
+        no-op on the CPU without compile."""
+        if not self.on_cuda or not step_sizes:
+            return
+        say = progress or (lambda msg: log.info("hift_runtime: %s", msg))
+        started = time.perf_counter()
+        c = self.constants
+        shapes = [(kind, size, batch) for batch in self.batch_sizes for size in step_sizes for kind in ("f0", "generator")]
+        shapes += [("final", c.mel_look_ahead, batch) for batch in self.batch_sizes]
+        with self._lock, self._precision():
+            # Shapes not captured still run compiled: compile them now (a final step shorter than the look-ahead,
+            # a lone stream's first steps), so that no call after warmup compiles.
+            for size in range(1, c.mel_look_ahead):
+                self._final_fn(*self._zeros("final", size, 1))
+            for i, (kind, size, batch) in enumerate(shapes):
+                if (kind, size, batch) in self._graphs:
+                    continue
+                fn = {"f0": self._f0_fn, "generator": self._step_fn, "final": self._final_fn}[kind]
+                example = self._zeros(kind, size, batch)
+                if self.cuda_graphs:
+                    self._graphs[(kind, size, batch)] = _Captured(fn, example, self._graph_pool)
+                else:
+                    fn(*example)
+                if i % 16 == 15 or i == len(shapes) - 1:
+                    say(f"warmup: {i + 1}/{len(shapes)} step shapes compiled and captured "
+                        f"({time.perf_counter() - started:.0f} s)")
+            torch.cuda.synchronize(self.device)
+        self.compiles_at_warmup = compile_count()
+
+    def _zeros(self, kind: str, size: int, batch: int) -> list[torch.Tensor]:
+        """Inputs of a step of ``size`` frames for ``batch`` streams at the utterance start, every row on scratch."""
+        c, dev = self.constants, self.device
+        if kind == "f0":
+            return [torch.zeros(batch, c.in_channels, size + c.f0_look_ahead, device=dev),
+                    *(torch.zeros(batch, *spec.shape, dtype=getattr(torch, spec.dtype), device=dev)
+                      for spec in c.f0_caches)]
+        final = kind == "final"
+        mel, src = (size, size) if final else (size + c.mel_look_ahead, size + c.source_look_ahead)
+        return [torch.zeros(batch, c.in_channels, mel, device=dev), torch.zeros(batch, src, device=dev),
+                torch.zeros(batch, 1, dtype=torch.int64, device=dev),
+                torch.zeros(batch, c.num_sines, dtype=torch.float64, device=dev),
+                torch.ones(batch, 1, dtype=torch.bool, device=dev), torch.zeros(batch, dtype=torch.int64, device=dev)]
+
+
+def compile_count() -> int:
+    """Graphs dynamo has compiled in this process (a compile after warmup shows as a rise)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])

@@ -1,0 +1,155 @@
+"""The compiled engine (``hift_runtime.compiled``) on the CPU, reduced model: its slot pool, its noise gather and the
+shared bookkeeping and scheduler, run eagerly (CI has no GPU; the compile and CUDA graphs run in test_gpu.py), equal
+the ONNX Runtime engine's streams on random schedules, interleaved and batched, with bad chunks and expiry; engine
+and precision selection."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hift_runtime import MelError, StreamError, open_vocoder
+from hift_runtime.manifest import ArtifactError
+
+from .conftest import max_abs, run_in_threads
+from .test_streaming import random_mel, stream_all
+
+pytest.importorskip("torch")
+
+# The engines run the same step in float32 on the CPU in different op orders (ONNX Runtime's kernels vs torch's):
+# measured <= 1.2e-7 apart on the reduced model; the bar is the one every stream-vs-offline test uses.
+TOLERANCE = 1e-6
+
+
+def streamed(vocoder, mel, schedule):
+    return np.concatenate(stream_all(vocoder, mel, schedule)[0])
+
+
+@pytest.fixture(scope="module")
+def ort_cpu(small_artifacts):
+    return open_vocoder(small_artifacts.out, device="cpu", engine="ort")
+
+
+@pytest.fixture(scope="module")
+def compiled_cpu(small_artifacts):
+    return open_vocoder(small_artifacts.out, device="cpu", engine="compiled", max_streams=24)
+
+
+def test_compiled_engine_equals_ort_on_random_schedules(ort_cpu, compiled_cpu):
+    assert compiled_cpu.backend.name == "torch[cpu]" and compiled_cpu.backend.caches_in_place
+    rng = np.random.default_rng(5)
+    for i in range(3):
+        mel = random_mel(int(rng.integers(5, 140)), seed=i)
+        schedule = [int(x) for x in rng.integers(0, 50, 6)]
+        assert max_abs(streamed(compiled_cpu, mel, schedule), streamed(ort_cpu, mel, schedule)) <= TOLERANCE
+        assert max_abs(compiled_cpu.vocode(mel), ort_cpu.vocode(mel)) <= TOLERANCE
+    assert compiled_cpu.backend.slots_in_use == 0  # every slot given back
+
+
+def test_interleaved_streams_keep_their_own_slots(ort_cpu, compiled_cpu):
+    """Three streams pushed in turn from one thread: each stream's caches stay in its own pool row."""
+    mels = [random_mel(100, seed=20 + i) for i in range(3)]
+    want = [streamed(ort_cpu, m, [17] * 6) for m in mels]
+    streams = [compiled_cpu.stream() for _ in mels]
+    pieces: list[list[np.ndarray]] = [[] for _ in mels]
+    for k in range(0, 100, 17):
+        for i, s in enumerate(streams):
+            pieces[i].append(s.push(mels[i][:, k:k + 17]))
+    for i, s in enumerate(streams):
+        pieces[i].append(s.finish())
+        assert max_abs(np.concatenate(pieces[i]), want[i]) <= TOLERANCE, i
+
+
+def test_batched_streams_equal_the_ort_engine_alone(small_artifacts, ort_cpu):
+    """Concurrent streams through the scheduler: batched calls gather and scatter several pool rows at once."""
+    batched = open_vocoder(small_artifacts.out, device="cpu", engine="compiled", batching=True, max_wait_ms=5)
+    rng = np.random.default_rng(9)
+    mels = [random_mel(int(rng.integers(10, 120)), seed=30 + i) for i in range(9)]
+    schedules = [[int(x) for x in rng.integers(0, 30, 8)] + [500] for _ in range(9)]
+    want = [streamed(ort_cpu, m, s) for m, s in zip(mels, schedules)]
+    got = run_in_threads(lambda i: streamed(batched, mels[i], schedules[i]), range(9))
+    for i in range(9):
+        assert max_abs(got[i], want[i]) <= TOLERANCE, i
+    assert batched.scheduler.stats.max_batch > 1
+    assert batched.backend.slots_in_use == 0
+    batched.close()
+
+
+def test_a_bad_chunk_leaves_the_stream_and_its_slot_unchanged(ort_cpu, compiled_cpu):
+    mel = random_mel(80, seed=3)
+    stream = compiled_cpu.stream()
+    out = [stream.push(mel[:, :30])]
+    with pytest.raises(MelError, match="non-finite"):
+        stream.push(np.full((80, 10), np.inf, np.float32))
+    out += [stream.push(mel[:, 30:]), stream.finish()]
+    assert max_abs(np.concatenate(out), streamed(ort_cpu, mel, [30, 50])) <= TOLERANCE
+
+
+def test_an_idle_stream_expires_and_frees_its_slot(small_artifacts):
+    import time
+
+    v = open_vocoder(small_artifacts.out, device="cpu", engine="compiled", max_streams=1, idle_timeout_s=0.05)
+    abandoned = v.stream()
+    abandoned.push(random_mel(20))
+    time.sleep(0.1)
+    fresh = v.stream()
+    with pytest.raises(StreamError, match="expired"):
+        abandoned.push(random_mel(5))
+    assert np.concatenate([fresh.push(random_mel(10)), fresh.finish()]).shape == (480 * 10,)
+    del abandoned
+    import gc
+
+    gc.collect()
+    fresh = None
+    gc.collect()
+    assert v.backend.slots_in_use == 0
+
+
+def test_the_noise_table_on_the_device_is_the_same_table(small_artifacts, tmp_path):
+    """A short .npy table (streams wrap around it): the engine's gather by position equals the host rows."""
+    table = np.random.default_rng(1).random((7_000, 9), dtype=np.float32)
+    np.save(tmp_path / "noise.npy", table)
+    with pytest.warns(RuntimeWarning, match="reuse its rows"):
+        ort_v = open_vocoder(small_artifacts.out, device="cpu", engine="ort", noise_table=tmp_path / "noise.npy")
+        compiled = open_vocoder(small_artifacts.out, device="cpu", engine="compiled",
+                                noise_table=tmp_path / "noise.npy")
+    mel = random_mel(60, seed=8)
+    assert max_abs(streamed(compiled, mel, [24, 24]), streamed(ort_v, mel, [24, 24])) <= TOLERANCE
+
+
+def test_engine_selection(small_artifacts):
+    auto = open_vocoder(small_artifacts.out, device="cpu")
+    assert auto.backend.name.startswith("ort") and "CPU" in auto.engine_reason
+    with pytest.raises(ValueError, match="engine must be one of"):
+        open_vocoder(small_artifacts.out, device="cpu", engine="tensorrt")
+    with pytest.raises(ValueError, match="precision must be one of"):
+        open_vocoder(small_artifacts.out, device="cpu", precision="bf16")
+    with pytest.raises(ValueError, match="fp16' is the compiled engine's"):
+        open_vocoder(small_artifacts.out, device="cpu", engine="ort", precision="fp16")
+    with pytest.raises(ValueError, match="for CUDA devices"):
+        open_vocoder(small_artifacts.out, device="cpu", engine="compiled", precision="fp16")
+
+
+def test_an_export_without_folded_weights_is_refused_by_the_compiled_engine(small_artifacts, tmp_path):
+    import json
+    import shutil
+
+    folder = tmp_path / "art"
+    shutil.copytree(small_artifacts.out, folder)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    del manifest["artifacts"]["folded_weights"]
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="folded_weights"):
+        open_vocoder(folder, device="cpu", engine="compiled")
+    assert open_vocoder(folder, device="cpu").backend.name.startswith("ort")  # auto falls back
+
+
+def test_tampered_folded_weights_are_refused(small_artifacts, tmp_path):
+    import shutil
+
+    folder = tmp_path / "art"
+    shutil.copytree(small_artifacts.out, folder)
+    with open(folder / "hift_folded.pt", "ab") as fh:
+        fh.write(b"x")
+    with pytest.raises(ArtifactError, match="hift_folded.pt"):
+        open_vocoder(folder, device="cpu", engine="compiled")
