@@ -200,6 +200,10 @@ def main() -> None:
     p.add_argument("--ks", default="1,16,64,128,256,384,512,768,1024,1536")
     p.add_argument("--configs", default="batched,batched_tf32,per_stream")
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (to try the script)")
+    p.add_argument("--engine", default="ort", choices=["ort", "compiled"],
+                   help="engine of the in-process configs (batched, per_stream; default ort)")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "fp16"],
+                   help="precision of the in-process configs (batched_tf32 is ort at tf32)")
     p.add_argument("--warm-stream", action="store_true", help="run one stream after warmup() before measuring")
     p.add_argument("--switch-interval-ms", type=float, default=None,
                    help="Python's GIL switch interval during the run (default: Python's 5 ms)")
@@ -245,7 +249,10 @@ def main() -> None:
                        "batched_f0_cpu": (CudaOptions(f0_on_cuda=False), True),
                        "per_stream_f0_cpu": (CudaOptions(f0_on_cuda=False), False)}[name]
             cuda = options[0] if args.slots is None else dataclasses.replace(options[0], slots=args.slots)
-            vocoder = open_vocoder(args.artifacts, device=args.device, cuda=cuda, batching=options[1])
+            engine = args.engine if name in ("batched", "per_stream") else "ort"
+            precision = args.precision if engine == "compiled" else ("tf32" if cuda.use_tf32 else args.precision)
+            vocoder = open_vocoder(args.artifacts, device=args.device, cuda=cuda, batching=options[1], engine=engine,
+                                   precision=precision)
             vocoder.warmup()
         parity = None if name == "served" or name.startswith("modelled") else parity_vs_cpu(vocoder, args.artifacts)
         print(name, "largest difference from the CPU EP's offline pass:", parity, flush=True)
@@ -259,7 +266,7 @@ def main() -> None:
         rows: list[dict[str, Any]] = []
         result["configs"][name] = {"open_and_warmup_s": round(time.perf_counter() - t0, 1),
                                    "warm_stream_s": warm_stream_s, "parity_max_abs_vs_cpu": parity,
-                                   "cuda_graphs": getattr(getattr(vocoder, "backend", None), "_graphs_enabled", None),
+                                   "engine": getattr(getattr(vocoder, "backend", None), "name", "served"),
                                    "gpu_memory_after_warmup_mb": gpu_memory_mb(), "runs": rows}
         for k in ks:
             row = run_k(vocoder, k, args.seconds)

@@ -310,3 +310,47 @@ def test_the_backend_replays_a_captured_f0_graph(small_artifacts, monkeypatch):
     f0, _ = backend._f0_step_on_device(mel, caches)
     assert len(replays) == 1 and f0.shape == (3, 8)
     np.testing.assert_array_equal(f0, backend.f0_step(mel, caches)[0])
+
+
+def _torch_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+@pytest.fixture(scope="module")
+def compiled_gpu(small_artifacts):
+    vocoder = open_vocoder(small_artifacts.out, device="cuda", engine="compiled", max_wait_ms=5)
+    vocoder.warmup()
+    yield vocoder
+    vocoder.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _torch_cuda(), reason="no CUDA device for torch here")
+def test_compiled_streams_match_the_cpu_ep(small_artifacts, compiled_gpu):
+    """The compiled engine (torch.compile, CUDA graphs, device slot pool) at fp32: each stream equals the CPU EP's
+    stream within the ORT CUDA EP's bar, and 64 concurrent streams each equal their solo run on the engine."""
+    from hift_runtime.compiled import compile_count
+
+    assert compiled_gpu.backend.name == "compiled[cuda:fp32]"
+    cpu = open_vocoder(small_artifacts.out, device="cpu")
+    rng = np.random.default_rng(64)
+    mels = [random_mel(int(rng.integers(10, 160)), seed=i) for i in range(64)]
+    schedules = [[int(x) for x in rng.integers(0, 40, 8)] + [500] for _ in range(64)]
+    concurrent = run_in_threads(lambda i: np.concatenate(stream_all(compiled_gpu, mels[i], schedules[i])[0]),
+                                range(64))
+    for i in range(0, 64, 8):
+        want = np.concatenate(stream_all(cpu, mels[i], schedules[i])[0])
+        assert max_abs(concurrent[i], want) <= 2e-6 and snr_db(concurrent[i], want) >= 105, i
+    for i in range(64):
+        solo = np.concatenate(stream_all(compiled_gpu, mels[i], schedules[i])[0])
+        assert max_abs(concurrent[i], solo) <= 2e-6, i
+    assert compiled_gpu.scheduler.stats.max_batch > 1
+    assert compile_count() == compiled_gpu.backend.compiles_at_warmup  # nothing compiled after warmup
+    import gc
+
+    gc.collect()
+    assert compiled_gpu.backend.slots_in_use == 0

@@ -1,0 +1,130 @@
+"""The compiled engine at one precision: start-up, distance from the CPU EP, batched step time, recompiles. Not a test.
+
+    python benchmarks/compiled_engine.py --artifacts DIR --precision fp32 --out benchmarks/results/NAME.json
+
+* ``open_s`` / ``warmup_s``: open (weights, noise table, pool) and warmup (compile + capture every shape); run it
+  twice in fresh processes to see inductor's on-disk cache (cold, then warm).
+* Distance from the CPU EP (ONNX Runtime, CPU, offline pass), in SNR dB, max abs and log-spectral distance:
+  8 concurrent streams of 4 s (24-frame chunks, batched) and one 60 s stream; each stream also against its own
+  solo run on the engine.
+* ``robust``: streams of random mels spanning the accepted log-mel range (-30 .. 15): any NaN/Inf in the audio.
+* ``step_ms``: the captured 24-frame generator step alone at B = 1, 64, 256 (median and p95 of replays, inputs
+  copied in and audio copied out as a call does) -> real-time streams' worth = B x 0.48 s / step time.
+* ``compiles_after_warmup``: dynamo compiles during everything above (0 expected).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from bench_step import stats, synthetic_mel
+
+CHUNK = 24
+
+
+def stream_audio(vocoder, mel: np.ndarray) -> np.ndarray:
+    s = vocoder.stream()
+    pieces = [s.push(mel[:, p:p + CHUNK]) for p in range(0, mel.shape[1], CHUNK)]
+    return np.concatenate([*pieces, s.finish()])
+
+
+def distances(got: np.ndarray, want: np.ndarray) -> dict[str, float]:
+    from hift_runtime.metrics import log_spectral_distance_db, max_abs, snr_db
+
+    return {"snr_db": round(snr_db(got, want), 2), "max_abs": float(f"{max_abs(got, want):.3g}"),
+            "lsd_db": round(log_spectral_distance_db(got, want), 4)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--artifacts", required=True)
+    p.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "fp16"])
+    p.add_argument("--out", required=True)
+    p.add_argument("--long-seconds", type=float, default=60.0)
+    args = p.parse_args()
+    import torch
+
+    from hift_runtime import open_vocoder
+    from hift_runtime.compiled import compile_count
+
+    result: dict[str, Any] = {"when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                              "command": "python benchmarks/compiled_engine.py " + " ".join(
+                                  f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
+                              "torch": torch.__version__, "device": torch.cuda.get_device_name(0),
+                              "precision": args.precision}
+    t0 = time.perf_counter()
+    vocoder = open_vocoder(args.artifacts, device="cuda", engine="compiled", precision=args.precision,
+                           batching=True, max_wait_ms=3)
+    result["open_s"] = round(time.perf_counter() - t0, 1)
+    t0 = time.perf_counter()
+    vocoder.warmup(progress=lambda m: print(m, flush=True))
+    result["warmup_s"] = round(time.perf_counter() - t0, 1)
+    result["compiles_at_warmup"] = vocoder.backend.compiles_at_warmup
+    print(json.dumps(result), flush=True)
+    cpu = open_vocoder(args.artifacts, device="cpu", engine="ort")
+
+    mels = [synthetic_mel(200, seed=100 + i) for i in range(8)]
+    got: list[np.ndarray] = [np.zeros(0)] * len(mels)
+
+    def one(i: int) -> None:
+        got[i] = stream_audio(vocoder, mels[i])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(mels))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    solo = [stream_audio(vocoder, m) for m in mels]
+    want = [cpu.vocode(m) for m in mels]
+    result["concurrent_vs_cpu_ep"] = [distances(g, w) for g, w in zip(got, want)]
+    result["concurrent_vs_solo_max_abs"] = max(float(np.abs(g - s).max()) for g, s in zip(got, solo))
+    long_mel = synthetic_mel(int(args.long_seconds * 50), seed=5)
+    result["long_stream_vs_cpu_ep"] = distances(stream_audio(vocoder, long_mel), cpu.vocode(long_mel))
+    print(json.dumps(result), flush=True)
+
+    rng = np.random.default_rng(0)
+    bad = 0
+    for i in range(6):
+        mel = rng.uniform(-30, 15, (80, 150)).astype(np.float32) if i % 2 else \
+            np.full((80, 150), [-30.0, 15.0][i % 3 == 0], np.float32)
+        bad += int(not np.isfinite(stream_audio(vocoder, mel)).all())
+    result["robust_streams_with_nan_or_inf"] = bad
+
+    backend = vocoder.backend
+    c = vocoder.constants
+    timings = {}
+    for batch in (1, 64, 256):
+        graph = backend._graphs.get(("generator", 24, batch))
+        if graph is None:
+            continue
+        slots = np.zeros(batch, np.int64)
+        values = [np.zeros((batch, c.in_channels, 24 + c.mel_look_ahead), np.float32) - 5,
+                  np.full((batch, 25), 200.0, np.float32), np.zeros((batch, 1), np.int64),
+                  np.zeros((batch, c.num_sines)), np.zeros((batch, 1), bool), slots]
+        times = []
+        with backend._precision():
+            for _ in range(30):
+                s0 = time.perf_counter()
+                graph.run(values, batch)
+                times.append(time.perf_counter() - s0)
+        row = stats(times[5:])
+        row["realtime_streams"] = round(batch * 0.48 / (row["median_ms"] / 1e3))
+        timings[str(batch)] = row
+    result["step_ms_24_frames"] = timings
+    result["compiles_after_warmup"] = compile_count() - (backend.compiles_at_warmup or 0)
+    result["slots_in_use_at_end"] = backend.slots_in_use
+    vocoder.close()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
