@@ -39,9 +39,16 @@ from .streaming import StreamConstants
 
 log = logging.getLogger("hift_runtime")
 DEFAULT_PRECISION = "fp32"
-# Batch sizes captured for cross-stream batching (a batch of B streams runs on the smallest size >= B, padded).
-BATCH_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
-STEP_SIZES = (24, 16, 8, 4, 2, 1)
+# Batch sizes captured for cross-stream batching (a batch of B streams runs on the smallest size >= B, padded). No
+# B = 1: one compile with a dynamic batch serves B >= 2 (dynamo specialises size 1, which would be a compile more);
+# a lone stream runs padded to 2.
+BATCH_SIZES = (2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
+# Each step size is a compile of its own (frame counts are static: with a dynamic frame axis dynamo recompiles at
+# every size threshold of the convolutions anyway), so few: a 24-frame chunk stream meets 24, and 8 + 8 + 4 at its
+# start; every other count splits into these.
+STEP_SIZES = (24, 8, 4, 1)
+# Dynamo keeps this many compiles of one function before it falls back to eager without a word; ours are counted.
+RECOMPILE_LIMIT = 64
 
 
 def load_folded(manifest: Manifest, device: torch.device) -> tuple[Any, Any]:
@@ -143,14 +150,15 @@ class CompiledBackend:
         self._lock = threading.Lock()  # one call on the device at a time (CUDA graphs share buffers)
         self._graphs: dict[tuple[str, int, int], _Captured] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
-        step = self._step
-        f0 = self._f0
+        # Compiled forms are called only at warmup, on the shapes it captures; every other shape (a final step
+        # shorter than the look-ahead, an offline pass) runs the same code eagerly: nothing compiles after warmup.
+        self._compiled = {"generator": self._step, "final": self._final, "f0": self._f0}
         if self.compiled:
-            step = torch.compile(step, dynamic=True)
-            self._final_fn = torch.compile(self._final, dynamic=True)
-        else:
-            self._final_fn = self._final
-        self._step_fn, self._f0_fn = step, f0
+            import torch._dynamo as dynamo
+
+            dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, RECOMPILE_LIMIT)
+            self._compiled["generator"] = torch.compile(self._step, dynamic=False)
+            self._compiled["final"] = torch.compile(self._final, dynamic=False)
         self.compiles_at_warmup: int | None = None
 
     # ---- the functions compiled (pure tensor code) -----------------------------------------------------------------
@@ -231,6 +239,7 @@ class CompiledBackend:
     def _batch(self, rows: int) -> int:
         return next((b for b in self.batch_sizes if b >= rows), rows)
 
+
     def f0_step(self, mel: np.ndarray, caches: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         rows = mel.shape[0]
         values = [mel, *(np.asarray(caches[name]) for name in self._f0_names)]
@@ -239,7 +248,7 @@ class CompiledBackend:
             if graph is not None:
                 out = graph.run(values, rows)
             else:
-                out = [t.cpu().numpy() for t in self._f0_fn(*(torch.from_numpy(v).to(self.device) for v in values))]
+                out = [t.cpu().numpy() for t in self._f0(*(torch.from_numpy(v).to(self.device) for v in values))]
         return out[0], dict(zip(self._f0_names, out[1:]))
 
     def generator_step(self, mel: np.ndarray, f0: np.ndarray, noise: np.ndarray, phase_in: np.ndarray,
@@ -257,13 +266,15 @@ class CompiledBackend:
             if graph is not None:
                 audio, phase = graph.run(values, rows)
             else:
-                fn = self._final_fn if final else self._step_fn
+                fn = self._final if final else self._step
                 audio, phase = (t.cpu().numpy() for t in fn(*(torch.from_numpy(np.ascontiguousarray(v)).to(self.device)
                                                                for v in values)))
         return audio, phase, (None if final else caches)  # the next caches are in the same slots
 
     # ---- warmup: compile and capture every shape a stream meets ------------------------------------------------------
     def warmup(self, step_sizes: tuple[int, ...] | None, progress: Callable[[str], None] | None = None) -> None:
+        import torch._dynamo as dynamo
+
         """Compile and capture (CUDA): every step size x batch size of the stream and F0 steps, the final steps. A
         no-op on the CPU without compile."""
         if not self.on_cuda or not step_sizes:
@@ -274,15 +285,14 @@ class CompiledBackend:
         shapes = [(kind, size, batch) for batch in self.batch_sizes for size in step_sizes for kind in ("f0", "generator")]
         shapes += [("final", c.mel_look_ahead, batch) for batch in self.batch_sizes]
         with self._lock, self._precision():
-            # Shapes not captured still run compiled: compile them now (a final step shorter than the look-ahead,
-            # a lone stream's first steps), so that no call after warmup compiles.
-            for size in range(1, c.mel_look_ahead):
-                self._final_fn(*self._zeros("final", size, 1))
             for i, (kind, size, batch) in enumerate(shapes):
                 if (kind, size, batch) in self._graphs:
                     continue
-                fn = {"f0": self._f0_fn, "generator": self._step_fn, "final": self._final_fn}[kind]
+                fn = self._compiled[kind]
                 example = self._zeros(kind, size, batch)
+                if kind != "f0":
+                    for tensor in example:  # one compile per step size serves every batch
+                        dynamo.mark_dynamic(tensor, 0, min=2)
                 if self.cuda_graphs:
                     self._graphs[(kind, size, batch)] = _Captured(fn, example, self._graph_pool)
                 else:

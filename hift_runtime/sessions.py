@@ -593,7 +593,7 @@ def open_vocoder(artifacts: str | os.PathLike[str], *, device: Device = "auto",
     if batching is not False and cuda.batch_sizes == (1,):
         cuda = dataclasses.replace(cuda, batch_sizes=tuple(b for b in BATCH_SIZES if b <= max_batch))
     if engine == "compiled":
-        backend: Any = _compiled_backend(manifest, constants, device, precision, cuda)
+        backend: Any = _compiled_backend(manifest, constants, device, precision, cuda, max_batch)
         on_gpu = backend.on_cuda
     else:
         if precision == "fp16":
@@ -620,15 +620,17 @@ def open_vocoder(artifacts: str | os.PathLike[str], *, device: Device = "auto",
 
 
 def _compiled_backend(manifest: Manifest, constants: StreamConstants, device: str, precision: str,
-                      cuda: CudaOptions) -> Any:
-    """The compiled engine (imports torch): on CUDA device ``cuda.device_id`` unless ``device='cpu'``."""
+                      cuda: CudaOptions, max_batch: int) -> Any:
+    """The compiled engine (imports torch): on CUDA device ``cuda.device_id`` unless ``device='cpu'``; its own step
+    and batch sizes (few compiles), ``cuda.slots`` device cache rows."""
     try:
-        from .compiled import CompiledBackend
+        from .compiled import BATCH_SIZES as COMPILED_BATCH_SIZES, CompiledBackend
     except ImportError as exc:
         raise ArtifactError(f"the compiled engine needs torch ({exc}); install torch, or use engine='ort'") from exc
     if device == "cuda" or (device == "auto" and nvidia_driver_present()):
         target = f"cuda:{cuda.device_id}"
     else:
         target = "cpu"
-    return CompiledBackend(manifest, constants, device=target, precision=precision, step_sizes=cuda.step_sizes,
-                           batch_sizes=cuda.batch_sizes, slots=cuda.slots)
+    batches = tuple(b for b in COMPILED_BATCH_SIZES if b <= max(max_batch, COMPILED_BATCH_SIZES[0]))
+    return CompiledBackend(manifest, constants, device=target, precision=precision, batch_sizes=batches,
+                           slots=cuda.slots)
