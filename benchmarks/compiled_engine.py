@@ -48,7 +48,13 @@ def main() -> None:
     p.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "fp16"])
     p.add_argument("--out", required=True)
     p.add_argument("--long-seconds", type=float, default=30.0)
+    p.add_argument("--max-batch", type=int, default=256, help="largest batch captured (default 256)")
+    p.add_argument("--stack-dump-s", type=float, default=0, help="dump every thread's stack every N s (0: never)")
     args = p.parse_args()
+    if args.stack_dump_s:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(args.stack_dump_s, repeat=True)
     import torch
 
     from hift_runtime import open_vocoder
@@ -61,8 +67,9 @@ def main() -> None:
                               "precision": args.precision}
     t0 = time.perf_counter()
     vocoder = open_vocoder(args.artifacts, device="cuda", engine="compiled", precision=args.precision,
-                           batching=True, max_wait_ms=3)
+                           batching=True, max_wait_ms=3, max_batch=args.max_batch)
     result["open_s"] = round(time.perf_counter() - t0, 1)
+    print("opened in", result["open_s"], "s", flush=True)
     t0 = time.perf_counter()
     vocoder.warmup(progress=lambda m: print(m, flush=True))
     result["warmup_s"] = round(time.perf_counter() - t0, 1)

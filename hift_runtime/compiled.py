@@ -297,7 +297,7 @@ class CompiledBackend:
                     self._graphs[(kind, size, batch)] = _Captured(fn, example, self._graph_pool)
                 else:
                     fn(*example)
-                if i % 16 == 15 or i == len(shapes) - 1:
+                if kind != "f0" and (batch == self.batch_sizes[0] or i == len(shapes) - 1):  # each compile
                     say(f"warmup: {i + 1}/{len(shapes)} step shapes compiled and captured "
                         f"({time.perf_counter() - started:.0f} s)")
             torch.cuda.synchronize(self.device)
