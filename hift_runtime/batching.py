@@ -139,7 +139,10 @@ class PushScheduler:
         if cancel is not None:
             cancel.on_cancel(lambda: self._cancel(push))
         try:
-            push.done.wait()
+            # Timed waits: an untimed one may sleep through Ctrl-C until the push ends (the signal handler runs only
+            # when the main thread's wait returns).
+            while not push.done.wait(0.1):
+                pass
         except BaseException:
             self._cancel(push)
             _wait_settled(push.done)

@@ -273,10 +273,10 @@ class CompiledBackend:
 
     # ---- warmup: compile and capture every shape a stream meets ------------------------------------------------------
     def warmup(self, step_sizes: tuple[int, ...] | None, progress: Callable[[str], None] | None = None) -> None:
-        import torch._dynamo as dynamo
-
         """Compile and capture (CUDA): every step size x batch size of the stream and F0 steps, the final steps. A
         no-op on the CPU without compile."""
+        import torch._dynamo as dynamo
+
         if not self.on_cuda or not step_sizes:
             return
         say = progress or (lambda msg: log.info("hift_runtime: %s", msg))

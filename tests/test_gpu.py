@@ -226,7 +226,7 @@ def test_slot_steps_on_the_cpu(small_artifacts, monkeypatch, rows, batch):
         np.testing.assert_array_equal(after[untouched], before[untouched])
     index = held[0].index
     del held  # a stream that lets go of its slot gives it back
-    assert pool.in_use == 0 and index in pool._free
+    assert pool.in_use == 0 and index in pool.free._free
     many = [pool.acquire() for _ in range(pool.rows - 1)]
     with pytest.raises(sessions.SlotPoolFull, match="device cache slots are in use"):
         pool.acquire()
