@@ -118,6 +118,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--ks", default="1,64,256")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--modes", default="threads,batched", help="threads (no scheduler), batched, or both")
     args = p.parse_args()
     from hift_runtime.manifest import read_manifest
     from hift_runtime.streaming import StreamConstants
@@ -127,7 +128,7 @@ def main() -> None:
     result: dict[str, Any] = {"when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                               "command": "python benchmarks/host_path.py " + " ".join(
                                   f"--{k} {v}" for k, v in vars(args).items()), "runs": []}
-    for mode in ("threads", "batched"):
+    for mode in args.modes.split(","):
         for k in [int(x) for x in args.ks.split(",")]:
             rates = [pushes_per_second(constants, k, mode == "batched") for _ in range(args.repeats)]
             row = {"mode": mode, "k": k, "pushes_per_s_median": round(float(np.median(rates))),

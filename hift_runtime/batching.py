@@ -34,7 +34,9 @@ from typing import Any
 
 import numpy as np
 
-from .streaming import CancelToken, PushCancelled, StepCall, VocoderBackend
+from .streaming import CancelToken, PushCancelled, SchedulerClosed, StepCall, VocoderBackend
+
+__all__ = ["BatchStats", "PushScheduler", "SchedulerClosed", "run_batched"]
 
 
 @dataclass
@@ -47,10 +49,6 @@ class BatchStats:
     max_batch: int = 0
     busy_s: float = 0.0  # time inside the backend's calls (the device's utilisation over a run)
     by_kind: dict[str, list[float]] = field(default_factory=dict)  # kind -> [calls, batches, busy seconds]
-
-
-class SchedulerClosed(RuntimeError):
-    """The vocoder's scheduler was closed: no push runs any more."""
 
 
 @dataclass(eq=False)

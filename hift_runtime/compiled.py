@@ -157,8 +157,10 @@ class CompiledBackend:
             import torch._dynamo as dynamo
 
             dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, RECOMPILE_LIMIT)
-            self._compiled["generator"] = torch.compile(self._step, dynamic=False)
-            self._compiled["final"] = torch.compile(self._final, dynamic=False)
+            # Not dynamic=False: it ignores mark_dynamic and compiles every batch size anew (on the H200 the warmup
+            # then ran past 5 minutes). Warmup marks the batch dynamic and every other dimension static.
+            self._compiled["generator"] = torch.compile(self._step)
+            self._compiled["final"] = torch.compile(self._final)
         self.compiles_at_warmup: int | None = None
 
     # ---- the functions compiled (pure tensor code) -----------------------------------------------------------------
@@ -292,7 +294,9 @@ class CompiledBackend:
                 example = self._zeros(kind, size, batch)
                 if kind != "f0":
                     for tensor in example:  # one compile per step size serves every batch
-                        dynamo.mark_dynamic(tensor, 0, min=2)
+                        dynamo.maybe_mark_dynamic(tensor, 0)
+                        for dim in range(1, tensor.dim()):  # frames stay static: a dynamic frame axis recompiles
+                            dynamo.mark_static(tensor, dim)  # at every size threshold of the convolutions
                 if self.cuda_graphs:
                     self._graphs[(kind, size, batch)] = _Captured(fn, example, self._graph_pool)
                 else:

@@ -100,6 +100,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="Prometheus metrics port (default 8002)")
     p.add_argument("--model-name", default=wire.MODEL_NAME, help=f"model name (default {wire.MODEL_NAME})")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="generator device")
+    p.add_argument("--gpus", default=None,
+                   help="CUDA device ids to serve on, e.g. 0,1: one engine per GPU, each new stream on the "
+                        "least-loaded GPU and pinned there (default: every visible GPU)")
     p.add_argument("--engine", choices=["auto", "ort", "compiled"], default="auto",
                    help="auto (default): the compiled engine on a CUDA device when torch with CUDA is installed, "
                         "else ONNX Runtime; ort; compiled (torch.compile, CUDA; compiles at start)")
@@ -145,13 +148,26 @@ def open_table(args: argparse.Namespace) -> tuple[StreamingVocoder, StreamTable]
     vocoder = open_vocoder(args.artifacts, device=args.device, noise_seed=args.noise_seed, phase=args.phase,
                            batching=True, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
                            max_streams=args.max_streams, idle_timeout_s=args.idle_timeout_s, engine=args.engine,
-                           precision=args.precision)
+                           precision=args.precision, devices=serving_gpus(args.gpus, args.device))
     if vocoder.max_streams is None:  # nothing a client sends may grow the server without bound
         vocoder.max_streams = vocoder.backend.stream_capacity()
     print(f"hift-serve: generator on {vocoder.backend.name} ({vocoder.engine_reason}); preparing every step shape",
           flush=True)
     vocoder.warmup(progress=lambda message: print(f"hift-serve: {message}", flush=True))
     return vocoder, StreamTable(vocoder, workers=args.max_batch, max_chunk_frames=args.max_chunk_frames)
+
+
+def serving_gpus(option: str | None, device: str) -> list[int] | None:
+    """``--gpus``: the listed ids; by default every visible GPU when there are several (None: the one-device path)."""
+    from .sessions import visible_gpus
+
+    if option:
+        try:
+            return [int(x) for x in option.split(",") if x.strip()]
+        except ValueError:
+            raise SystemExit(f"hift-serve: --gpus {option!r}: expected CUDA device ids such as 0,1") from None
+    gpus = visible_gpus() if device != "cpu" else []
+    return gpus if len(gpus) > 1 else None
 
 
 def wait_model_ready(url: str, model_name: str, timeout_s: float = 120.0) -> bool:

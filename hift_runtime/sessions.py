@@ -8,6 +8,7 @@ import dataclasses
 import json
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -77,6 +78,25 @@ BATCH_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 def nvidia_driver_present() -> bool:
     """onnxruntime-gpu lists the CUDA EP even where there is no GPU and then logs errors when asked for it."""
     return os.path.exists("/proc/driver/nvidia/version") or os.path.exists("/dev/nvidiactl")
+
+
+def visible_gpus() -> list[int]:
+    """The CUDA device ids this process sees (``CUDA_VISIBLE_DEVICES`` renumbers them from 0): counted by
+    ``nvidia-smi -L``, so no CUDA library is loaded; [] without a driver."""
+    import shutil
+    import subprocess
+
+    if not nvidia_driver_present() or shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    count = sum(line.startswith("GPU ") for line in listed.splitlines())
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        count = min(count, len([v for v in visible.split(",") if v.strip()]))
+    return list(range(count))
 
 
 def _zero_step_feed(c: StreamConstants, size: int, batch: int, final: bool = False) -> dict[str, np.ndarray]:
@@ -556,7 +576,7 @@ def open_vocoder(artifacts: str | os.PathLike[str], *, device: Device = "auto",
                  phase: str = "upstream", step_sizes: tuple[int, ...] | None = None, batching: bool | None = None,
                  max_batch: int = 256, max_wait_ms: float = 3.0, max_streams: int | None = None,
                  idle_timeout_s: float | None = None, engine: str = "auto",
-                 precision: str = "fp32") -> StreamingVocoder:
+                 precision: str = "fp32", devices: Sequence[int] | None = None) -> StreamingVocoder:
     """Open an export folder: verify the files the runtime loads, create the sessions once, return a
     :class:`StreamingVocoder`. Streams created from it share the sessions; each has its own small state.
 
@@ -571,7 +591,16 @@ def open_vocoder(artifacts: str | os.PathLike[str], *, device: Device = "auto",
     with a GPU, off on the CPU), at most ``max_batch`` streams a call, waiting at most ``max_wait_ms`` for
     partners (a lone stream never waits). ``max_streams``: open streams at most (:class:`OverloadError` beyond);
     ``idle_timeout_s``: a stream untouched that long is expired and its slot freed.
+    ``devices``: CUDA device ids (e.g. ``[0, 1]``): one engine per GPU behind a
+    :class:`~hift_runtime.placement.MultiDeviceVocoder`, each new stream on the least-loaded GPU and pinned there;
+    ``max_streams`` is then the total (each GPU's slots sized for its share).
     """
+    if devices is not None:
+        return _open_on_devices(artifacts, list(devices), max_streams=max_streams, device=device, cuda=cuda,
+                                noise_table=noise_table, noise_seed=noise_seed, verify_hashes=verify_hashes,
+                                intra_op_threads=intra_op_threads, phase=phase, step_sizes=step_sizes,
+                                batching=batching, max_batch=max_batch, max_wait_ms=max_wait_ms,
+                                idle_timeout_s=idle_timeout_s, engine=engine, precision=precision)
     if device not in DEVICES:
         raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
     if engine not in ENGINES:
@@ -617,6 +646,21 @@ def open_vocoder(artifacts: str | os.PathLike[str], *, device: Device = "auto",
         vocoder.scheduler = PushScheduler(backend, max_batch=max_batch, max_wait_s=max_wait_ms / 1e3,
                                           pushes_in_progress=lambda: vocoder.pushes_in_progress)
     return vocoder
+
+
+def _open_on_devices(artifacts: str | os.PathLike[str], devices: list[int], *, max_streams: int | None,
+                     device: Device, cuda: CudaOptions | None, **options: Any) -> Any:
+    """One vocoder per CUDA device id behind a :class:`~hift_runtime.placement.MultiDeviceVocoder`."""
+    from .placement import MultiDeviceVocoder
+
+    if not devices or len(set(devices)) != len(devices) or any(d < 0 for d in devices):
+        raise ValueError(f"devices must be distinct CUDA device ids (e.g. [0, 1]), got {devices}")
+    if device == "cpu":
+        raise ValueError("devices= lists CUDA devices; with device='cpu' leave it out")
+    share = None if max_streams is None else -(-max_streams // len(devices))  # each GPU's slots fit its share
+    vocoders = [open_vocoder(artifacts, device="cuda", cuda=dataclasses.replace(cuda or CudaOptions(), device_id=d),
+                             max_streams=share, **options) for d in devices]
+    return MultiDeviceVocoder(vocoders, [f"cuda:{d}" for d in devices], max_streams=max_streams)
 
 
 def _compiled_backend(manifest: Manifest, constants: StreamConstants, device: str, precision: str,

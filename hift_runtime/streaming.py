@@ -73,6 +73,10 @@ class MelTypeError(MelError, TypeError):
     """A mel of a non-float dtype (integer, bool, complex); the stream is left unchanged."""
 
 
+class SchedulerClosed(RuntimeError):
+    """The vocoder's scheduler was closed: no push runs any more."""
+
+
 class PushCancelled(RuntimeError):
     """A push was cancelled (KeyboardInterrupt in its thread, asyncio cancellation) before it changed anything: the
     stream is as it was before the push, and usable."""
@@ -281,6 +285,9 @@ class StreamingVocoder:
         # Set by open_vocoder(batching=...): pushes then run through it, batched with other streams' (batching.py).
         self.scheduler: Any = None
         self.engine_reason = ""  # why open_vocoder(engine="auto") chose this backend (the CLIs print it)
+        # The first error a backend call raised (a device that fails): a multi-device front places no new stream
+        # here once it is set (placement.py); the streams already here go on as they can.
+        self.failure: BaseException | None = None
         self.constants = constants
         self.noise = noise if noise is not None else NoiseTable.seeded(noise_seed, constants.noise_table_length,
                                                                        constants.num_sines)
@@ -564,7 +571,9 @@ class VocoderStream:
         except PushCancelled:  # cancelled only before any call that writes caches ran: nothing to undo
             self._caches_written = False
             raise
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, Exception) and not isinstance(exc, SchedulerClosed) and self._v.failure is None:
+                self._v.failure = exc  # a backend call failed (input errors are refused before _advance)
             if self._caches_written:
                 self._caches_written = False
                 self._release("lost")
