@@ -49,12 +49,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--long-seconds", type=float, default=30.0)
     p.add_argument("--max-batch", type=int, default=256, help="largest batch captured (default 256)")
-    p.add_argument("--stack-dump-s", type=float, default=0, help="dump every thread's stack every N s (0: never)")
     args = p.parse_args()
-    if args.stack_dump_s:
-        import faulthandler
-
-        faulthandler.dump_traceback_later(args.stack_dump_s, repeat=True)
     import torch
 
     from hift_runtime import open_vocoder
