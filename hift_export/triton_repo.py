@@ -200,15 +200,19 @@ def _state(input_name: str, output_name: str, dtype: str, dims: list[int]) -> st
 
 
 def config_pbtxt(model: str, layout: list[dict[str, Any]], *, generator: bool, max_batch: int, in_channels: int,
-                 columns: int, max_queue_delay_us: int, idle_us: int) -> str:
-    """The ``config.pbtxt`` of one model (parsed by the tests with Triton's model-config protobuf)."""
+                 columns: int, max_queue_delay_us: int, idle_us: int, gpus: list[int] | None = None) -> str:
+    """The ``config.pbtxt`` of one model (parsed by the tests with Triton's model-config protobuf). ``gpus``: one
+    generator instance on each listed GPU (None: one instance on a GPU Triton picks). Triton's sequence batcher
+    routes every request of a sequence to the instance that took its START, so a stream's implicit state (its
+    caches) stays on one GPU."""
+    on_gpus = f" gpus: {list(gpus)}" if gpus else ""
     lines = [f"name: \"{model}\"", "backend: \"onnxruntime\"", f"max_batch_size: {max_batch}"]
     if generator:
         lines += [f"input [{{ name: \"mel\" data_type: TYPE_FP32 dims: [{in_channels}, -1] }}, "
                   f"{{ name: \"f0\" data_type: TYPE_FP32 dims: [-1] }}]",
                   "output [{ name: \"audio_out\" data_type: TYPE_FP32 dims: [-1] }, "
                   f"{{ name: \"{SAMPLES}\" data_type: TYPE_INT64 dims: [1] }}]",
-                  "instance_group [{ kind: KIND_GPU count: 1 }]"]
+                  f"instance_group [{{ kind: KIND_GPU count: 1{on_gpus} }}]"]
     else:
         lines += [f"input [{{ name: \"mel\" data_type: TYPE_FP32 dims: [{in_channels}, -1] }}]",
                   "output [{ name: \"f0\" data_type: TYPE_FP32 dims: [-1] }]",
@@ -236,8 +240,9 @@ SEQUENCE_IDLE_US = 10_000_000
 
 def write_triton_repository(manifest: Manifest, out: Path, *, max_batch: int = 64, noise_seed: int = 0,
                             max_queue_delay_us: int = 2000, idle_us: int = SEQUENCE_IDLE_US,
-                            log: Callable[[str], None] = print) -> dict[str, Path]:
-    """Write the repository into ``out`` (``<model>/config.pbtxt``, ``<model>/1/model.onnx``) from an export."""
+                            gpus: list[int] | None = None, log: Callable[[str], None] = print) -> dict[str, Path]:
+    """Write the repository into ``out`` (``<model>/config.pbtxt``, ``<model>/1/model.onnx``) from an export;
+    ``gpus``: the GPUs the generator model gets an instance on (see :func:`config_pbtxt`)."""
     import onnx
 
     config, step = manifest.config, manifest.step
@@ -259,7 +264,7 @@ def write_triton_repository(manifest: Manifest, out: Path, *, max_batch: int = 6
             file.chmod(0o644)
         (out / name / "config.pbtxt").write_text(config_pbtxt(
             name, layout, generator=is_gen, max_batch=max_batch, in_channels=int(config["in_channels"]),
-            columns=columns, max_queue_delay_us=max_queue_delay_us, idle_us=idle_us))
+            columns=columns, max_queue_delay_us=max_queue_delay_us, idle_us=idle_us, gpus=gpus))
         paths[name] = path
         log(f"[triton] {name}: {len(model.graph.node)} nodes -> {out / name}")
     return paths

@@ -266,3 +266,16 @@ def test_a_batch_mixing_ending_and_continuing_rows_equals_each_row_alone(repo):
             # that reaches the exporter's own bound for the step graphs (STEP_TOLERANCE), the audio stays within 1e-6.
             bound = STEP_TOLERANCE if name.startswith("next.") else REPO_TOLERANCE
             np.testing.assert_allclose(a[i:i + 1], b, rtol=0, atol=bound, err_msg=f"{name} row {i}")
+
+
+def test_generator_instances_on_the_listed_gpus(small_artifacts):
+    from google.protobuf import text_format
+
+    from hift_export.triton_repo import config_pbtxt
+
+    layout = read_manifest(small_artifacts.out).step["generator_caches"]
+    config = _pb().ModelConfig()
+    text_format.Parse(config_pbtxt("hift_generator", layout, generator=True, max_batch=8, in_channels=80, columns=9,
+                                   max_queue_delay_us=2000, idle_us=10_000_000, gpus=[0, 1]), config)
+    group = config.instance_group[0]
+    assert group.kind == group.KIND_GPU and group.count == 1 and list(group.gpus) == [0, 1]
