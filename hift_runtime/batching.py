@@ -137,10 +137,14 @@ class PushScheduler:
         if cancel is not None:
             cancel.on_cancel(lambda: self._cancel(push))
         try:
-            # Timed waits: an untimed one may sleep through Ctrl-C until the push ends (the signal handler runs only
-            # when the main thread's wait returns).
-            while not push.done.wait(0.1):
-                pass
+            if threading.current_thread() is threading.main_thread():
+                # Timed waits in the main thread: an untimed one may sleep through Ctrl-C until the push ends (the
+                # signal handler runs only when the wait returns). Other threads get no signals: they wait untimed
+                # (a thousand streams' threads polling would cost the GIL ten thousand wake-ups a second).
+                while not push.done.wait(0.1):
+                    pass
+            else:
+                push.done.wait()
         except BaseException:
             self._cancel(push)
             _wait_settled(push.done)
