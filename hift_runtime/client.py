@@ -103,6 +103,34 @@ class ServerClient:
         self._client.close()
 
 
+class ShardedClient:
+    """Several ``hift-serve`` servers behind one client (servers on several hosts, or one per GPU): each stream goes
+    to the server its id picks by rendezvous hashing, so every chunk of it reaches the server that holds its state.
+    Every client computes the same choice from the ids alone (no shared table); a server added or removed moves only
+    the streams it gains or loses. A proxy in front of the servers does the same with the ``hift-stream-id`` header
+    (``wire.STREAM_HEADER``) as its affinity key."""
+
+    def __init__(self, urls: list[str], model_name: str = wire.MODEL_NAME, timeout_s: float = 60.0) -> None:
+        if not urls or len(set(urls)) != len(urls):
+            raise ServerError(f"a sharded client needs distinct server addresses, got {urls}")
+        self.clients = [ServerClient(url, model_name, timeout_s) for url in urls]
+
+    def server_for(self, stream_id: str) -> ServerClient:
+        """The server that serves ``stream_id`` (the highest hash of address and id)."""
+        import hashlib
+
+        return max(self.clients, key=lambda c: hashlib.blake2b(f"{c.url}\0{stream_id}".encode(), digest_size=8)
+                   .digest())
+
+    def stream(self, stream_id: str | None = None) -> "RemoteStream":
+        sid = stream_id or uuid.uuid4().hex
+        return RemoteStream(self.server_for(sid), sid)
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
+
+
 class RemoteStream:
     """One utterance on the server: ``push(chunk)`` returns the audio it released; ``push(last, end=True)`` also
     returns the held-back tail and closes the stream."""

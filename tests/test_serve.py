@@ -118,14 +118,23 @@ def _free_ports(n: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def server(small_artifacts, tmp_path_factory):
+    # A long batcher wait so the 8 test clients are seen in shared batches on a busy 2-core machine; two model
+    # instances, so Triton runs batches side by side (their streams meet in one step batcher).
+    yield from _live_server(small_artifacts, tmp_path_factory, ["--max-wait-ms", "20", "--instances", "2"])
+
+
+@pytest.fixture(scope="module")
+def second_server(small_artifacts, tmp_path_factory):
+    yield from _live_server(small_artifacts, tmp_path_factory, [])
+
+
+def _live_server(small_artifacts, tmp_path_factory, options: list[str]):
     pytest.importorskip("pytriton", reason="hift-serve needs the [serve] extra (nvidia-pytriton)")
     http, grpc, metrics = _free_ports(3)
     log = tmp_path_factory.mktemp("serve") / "hift-serve.log"
-    # A long batcher wait so the 8 test clients are seen in shared batches on a busy 2-core machine; two model
-    # instances, so Triton runs batches side by side (their streams meet in one step batcher).
     cmd = [sys.executable, "-m", "hift_runtime.server", "--artifacts", str(small_artifacts.out), "--device", "cpu",
            "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--max-batch", "8",
-           "--max-wait-ms", "20", "--instances", "2", "--triton-log", str(log.with_suffix(".triton.log"))]
+           *options, "--triton-log", str(log.with_suffix(".triton.log"))]
     env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}  # hift-serve must set it itself
     with open(log, "w") as out:
         process = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, text=True)
@@ -245,6 +254,35 @@ def test_server_refuses_a_busy_port_in_one_line(small_artifacts):
     assert f"--grpc-port {port}: cannot listen" in done.stderr
 
 
+def test_two_servers_behind_a_sharded_client_keep_each_stream_on_one_server(server, second_server, vocoder):
+    """Scaling past one server: the client picks each stream's server from its id (rendezvous hashing); every chunk
+    of a stream reaches the server holding its state, and each stream equals the offline pass."""
+    from hift_runtime.client import ShardedClient
+
+    client = ShardedClient([server["grpc"], second_server["grpc"]])
+    ids = [f"shard-{i}" for i in range(16)]
+    placed = {sid: client.server_for(sid).url for sid in ids}
+    assert set(placed.values()) == {server["grpc"], second_server["grpc"]}  # both servers get streams
+    assert placed == {sid: ShardedClient([second_server["grpc"], server["grpc"]]).server_for(sid).url
+                      for sid in ids}  # the same choice whatever the order the addresses are listed in
+    rng = np.random.default_rng(16)
+    before = [_metric(urllib.request.urlopen(s["metrics"], timeout=10).read().decode(), "nv_inference_count")
+              for s in (server, second_server)]
+    chosen = ids[:6]
+    for sid in chosen:
+        mel = _mel(rng, 30)
+        stream = client.stream(sid)
+        parts = _chunks(mel, 12)
+        audio = np.concatenate([stream.push(p, end=k == len(parts) - 1) for k, p in enumerate(parts)])
+        assert max_abs(audio, vocoder.vocode(mel)) <= SERVED_TOLERANCE, sid
+    after = [_metric(urllib.request.urlopen(s["metrics"], timeout=10).read().decode(), "nv_inference_count")
+             for s in (server, second_server)]
+    sent = {url: sum(len(_chunks(np.zeros((1, 30)), 12)) for sid in chosen if placed[sid] == url)
+            for url in (server["grpc"], second_server["grpc"])}
+    assert [a - b for a, b in zip(after, before)] == [sent[server["grpc"]], sent[second_server["grpc"]]]
+    client.close()
+
+
 def test_server_stops_cleanly_on_sigterm(server):
     process = server["process"]
     process.send_signal(signal.SIGTERM)
@@ -300,3 +338,4 @@ def test_client_errors_are_server_errors_and_http_keeps_its_timeout(monkeypatch)
         with pytest.raises(ServerError, match=f"{url}.*not a hift-serve model"):
             ServerClient(url, timeout_s=7.5)
     assert _FakeTritonClient.made[-1] == {"connection_timeout": 7.5, "network_timeout": 7.5}
+
