@@ -97,7 +97,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--http-port", type=int, default=wire.DEFAULT_HTTP_PORT, help="HTTP port (default 8000)")
     p.add_argument("--grpc-port", type=int, default=wire.DEFAULT_GRPC_PORT, help="gRPC port (default 8001)")
     p.add_argument("--metrics-port", type=int, default=wire.DEFAULT_METRICS_PORT,
-                   help="Prometheus metrics port (default 8002)")
+                   help="Triton's Prometheus metrics port (default 8002)")
+    p.add_argument("--state-metrics-port", type=int, default=wire.DEFAULT_STATE_METRICS_PORT,
+                   help="the server's own metrics (open streams, refusals by reason, expiries, step batches, device "
+                        "busy share), Prometheus text at /metrics (default 8003)")
     p.add_argument("--model-name", default=wire.MODEL_NAME, help=f"model name (default {wire.MODEL_NAME})")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="generator device")
     p.add_argument("--gpus", default=None,
@@ -230,7 +233,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"pip install -e \".[serve]\"", file=sys.stderr)
         return 2
     busy = busy_port(args.host, {"--grpc-port": args.grpc_port, "--http-port": args.http_port,
-                                 "--metrics-port": args.metrics_port})
+                                 "--metrics-port": args.metrics_port,
+                                 "--state-metrics-port": args.state_metrics_port})
     if busy:
         print(f"hift-serve: error: {busy}", file=sys.stderr)
         return 2
@@ -258,6 +262,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         # Bound before the server starts, so it loads the model as it comes up; /v2/health/ready can still answer
         # before the model is loaded, so readiness is the model's own endpoint (README: the probe to use).
+        from .server_metrics import serve_state_metrics
+
+        state_metrics = serve_state_metrics(table, args.state_metrics_port, args.host)
         triton = Triton(config=config)
         bind(triton, table, in_channels=constants.in_channels, sample_rate=constants.sample_rate,
              max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, model_name=args.model_name,
@@ -271,10 +278,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"hift-serve: model {args.model_name!r} ready (generator on {vocoder.backend.name}, at most "
                   f"{vocoder.max_streams} streams): gRPC {args.host}:{args.grpc_port}, HTTP {args.host}:"
                   f"{args.http_port}, readiness {http_url}/v2/models/{args.model_name}/ready, metrics "
-                  f"http://{args.host}:{args.metrics_port}/metrics; Triton log {log_file}", flush=True)
+                  f"http://{args.host}:{args.metrics_port}/metrics, server state http://{args.host}:"
+                  f"{args.state_metrics_port}/metrics; Triton log {log_file}", flush=True)
             triton.serve()
         finally:
             triton.stop()
+            state_metrics.shutdown()
     except KeyboardInterrupt:
         pass
     finally:

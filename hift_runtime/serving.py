@@ -37,13 +37,33 @@ MAX_STREAM_ID_BYTES = 256
 MAX_CHUNK_FRAMES = 1000
 
 
+def _refusal(message: str, reason: str) -> StreamError:
+    """A refused request's error, with the reason the server's metrics count it under."""
+    exc = StreamError(message)
+    exc.reason = reason  # type: ignore[attr-defined]
+    return exc
+
+
+def refusal_reason(exc: BaseException) -> str:
+    """What a refused request is counted as: overload, bad_mel, bad_id, unknown_stream, closed_stream,
+    already_open, stream_state (a call the stream's state does not allow), or internal (a backend failure)."""
+    if isinstance(exc, OverloadError):
+        return "overload"
+    if isinstance(exc, MelError):
+        return "bad_mel"
+    if isinstance(exc, StreamError):
+        return getattr(exc, "reason", "stream_state")
+    return "internal"
+
+
 def check_stream_id(stream_id: str) -> None:
     """Refuse an empty id or one longer than :data:`MAX_STREAM_ID_BYTES` (UTF-8) with :class:`StreamError`."""
     if not stream_id:
-        raise StreamError("the stream id is empty; send a non-empty id (a UUID, say)")
+        raise _refusal("the stream id is empty; send a non-empty id (a UUID, say)", "bad_id")
     size = len(stream_id.encode("utf-8", "surrogatepass"))
     if size > MAX_STREAM_ID_BYTES:
-        raise StreamError(f"the stream id has {size} bytes, more than {MAX_STREAM_ID_BYTES}; use a shorter id")
+        raise _refusal(f"the stream id has {size} bytes, more than {MAX_STREAM_ID_BYTES}; use a shorter id",
+                       "bad_id")
 
 
 def shown_id(stream_id: str) -> str:
@@ -85,6 +105,9 @@ class StreamTable:
         self._lock = threading.Lock()
         self._next_reap = 0.0
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="hift-stream")
+        # What the server's metrics show (server_metrics.py): refusals by reason, streams expired.
+        self.refused: collections.Counter[str] = collections.Counter()
+        self.streams_expired = 0
 
     @property
     def open_streams(self) -> int:
@@ -133,18 +156,25 @@ class StreamTable:
                 self._forget(sid, "ended (its last request had end=true); start a new stream")
             return ChunkReply(audio)
         except (MelError, StreamError, OverloadError) as exc:
+            self._count_refusal(refusal_reason(exc))
             return ChunkReply(_EMPTY, f"stream {shown_id(sid)}: {exc}")
         except Exception as exc:  # noqa: BLE001 - a backend failure: this request fails, the server goes on
+            self._count_refusal("internal")
             log.exception("stream %s: request failed", shown_id(sid))
             return ChunkReply(_EMPTY, f"stream {shown_id(sid)}: internal error: {type(exc).__name__}: {exc}")
         finally:
             if stream is not None and stream.lost:  # its device caches went in a failed step: it leaves the table
                 self._forget(sid, "lost its device caches in a failed step and was released; start a new stream")
 
+    def _count_refusal(self, reason: str) -> None:
+        with self._lock:
+            self.refused[reason] += 1
+
     def _open(self, sid: str) -> VocoderStream:
         with self._lock:
             if sid in self._streams:
-                raise StreamError("start=true for a stream id that is open; end it first or use a new id")
+                raise _refusal("start=true for a stream id that is open; end it first or use a new id",
+                               "already_open")
             stream = self.vocoder.stream()  # OverloadError at max_streams
             self._streams[sid] = stream
             self._closed.pop(sid, None)
@@ -157,8 +187,8 @@ class StreamTable:
                 return stream
             why = self._closed.get(sid)
         if why is not None:
-            raise StreamError(f"the stream {why}")
-        raise StreamError("unknown stream id: send its first chunk with start=true")
+            raise _refusal(f"the stream {why}", "closed_stream")
+        raise _refusal("unknown stream id: send its first chunk with start=true", "unknown_stream")
 
     def _forget(self, sid: str, why: str | None) -> None:
         with self._lock:
@@ -177,6 +207,7 @@ class StreamTable:
         self.vocoder.reap()  # streams also expire when another one opens: look at every stream, not the count
         with self._lock:
             expired = [sid for sid, s in self._streams.items() if s.expired]
+            self.streams_expired += len(expired)
         for sid in expired:
             self._forget(sid, f"expired after {self.vocoder.idle_timeout_s} s idle and its state was released; "
                               f"start a new stream")

@@ -27,6 +27,7 @@ STREAM_HEADER = "hift-stream-id"
 STREAM_ID, MEL, START, END = "stream_id", "mel", "start", "end"
 AUDIO, SAMPLES, SAMPLE_RATE, ERROR = "audio", "samples", "sample_rate", "error"
 DEFAULT_HTTP_PORT, DEFAULT_GRPC_PORT, DEFAULT_METRICS_PORT = 8000, 8001, 8002
+DEFAULT_STATE_METRICS_PORT = 8003  # hift-serve's own metrics, beside Triton's (server_metrics.py)
 
 
 class ServerError(RuntimeError):

@@ -130,10 +130,11 @@ def second_server(small_artifacts, tmp_path_factory):
 
 def _live_server(small_artifacts, tmp_path_factory, options: list[str]):
     pytest.importorskip("pytriton", reason="hift-serve needs the [serve] extra (nvidia-pytriton)")
-    http, grpc, metrics = _free_ports(3)
+    http, grpc, metrics, state = _free_ports(4)
     log = tmp_path_factory.mktemp("serve") / "hift-serve.log"
     cmd = [sys.executable, "-m", "hift_runtime.server", "--artifacts", str(small_artifacts.out), "--device", "cpu",
-           "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--max-batch", "8",
+           "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
+           "--state-metrics-port", str(state), "--max-batch", "8",
            *options, "--triton-log", str(log.with_suffix(".triton.log"))]
     env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}  # hift-serve must set it itself
     with open(log, "w") as out:
@@ -148,7 +149,8 @@ def _live_server(small_artifacts, tmp_path_factory, options: list[str]):
         with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/models/hift_vocoder/ready", timeout=5) as ready:
             assert ready.status == 200
         yield {"grpc": f"127.0.0.1:{grpc}", "http": f"http://127.0.0.1:{http}",
-               "metrics": f"http://127.0.0.1:{metrics}/metrics", "process": process, "log": log}
+               "metrics": f"http://127.0.0.1:{metrics}/metrics", "state": f"http://127.0.0.1:{state}/metrics",
+               "process": process, "log": log}
     finally:
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)
@@ -189,10 +191,18 @@ def test_live_server_streams_8_concurrent_utterances_exactly_in_shared_batches(s
     assert executions < requests, f"Triton formed no batch larger than 1 ({requests} requests, {executions} runs)"
 
 
+def _state(server) -> dict[str, float]:
+    """The server's own metrics (hift_*), by name and labels."""
+    text = urllib.request.urlopen(server["state"], timeout=10).read().decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("hift_")}
+
+
 def test_live_server_refuses_bad_requests_clearly_and_keeps_serving(server, vocoder):
     from hift_runtime.client import ServerClient
     from hift_runtime.wire import ServerError
 
+    before = _state(server)
     rng = np.random.default_rng(9)
     client = ServerClient(server["grpc"])
     good, mel = client.stream("good"), _mel(rng, 36)
@@ -210,6 +220,15 @@ def test_live_server_refuses_bad_requests_clearly_and_keeps_serving(server, voco
     with pytest.raises(ServerError, match="ended"):
         client.infer("good", mel[:, :4], start=False, end=False)
     client.close()
+    # The server's own metrics count each refusal under its reason (Prometheus text, beside Triton's endpoint).
+    after = _state(server)
+    for reason in ("unknown_stream", "bad_mel", "already_open", "closed_stream"):
+        key = f'hift_requests_refused_total{{reason="{reason}"}}'
+        assert after[key] - before.get(key, 0.0) == 1, (reason, after)
+    assert after["hift_open_streams"] == 0 and after["hift_streams_expired_total"] == 0
+    assert after['hift_step_calls_total{device="0",kind="generator"}'] >= 2
+    assert after['hift_step_batches_total{device="0",kind="generator"}'] >= 1
+    assert 0 < after['hift_device_busy_share{device="0"}'] <= 1
     with pytest.raises(ServerError, match="cannot reach a server"):
         ServerClient(f"127.0.0.1:{_free_ports(1)[0]}")
 

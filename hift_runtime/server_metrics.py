@@ -1,0 +1,72 @@
+"""The server's own state as Prometheus metrics, on a port beside Triton's (``hift-serve --state-metrics-port``).
+
+Triton's endpoint counts requests, batches and queue time per model; what it cannot see is ours: open streams,
+requests refused by reason, streams expired, the step batches the scheduler formed, and how busy each device was.
+Everything is read from the live objects at scrape time (no hooks in the request path).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from .serving import StreamTable
+
+
+def _schedulers(vocoder: Any) -> list[tuple[str, Any]]:
+    """(device name, scheduler) of a vocoder, or of each device of a multi-device one."""
+    vocoders = getattr(vocoder, "vocoders", None)
+    if vocoders is None:
+        return [("0", vocoder.scheduler)]
+    return list(zip(vocoder.names, (v.scheduler for v in vocoders)))
+
+
+class ServerStateCollector:
+    """Collects the metrics of one :class:`~hift_runtime.serving.StreamTable` and its vocoder."""
+
+    def __init__(self, table: StreamTable) -> None:
+        self.table = table
+        self.started = time.monotonic()
+
+    def collect(self) -> Iterator[Any]:
+        table = self.table
+        yield GaugeMetricFamily("hift_open_streams", "streams open now", value=table.open_streams)
+        refused = CounterMetricFamily("hift_requests_refused", "requests refused, by reason", labels=["reason"])
+        for reason, count in sorted(table.refused.items()):
+            refused.add_metric([reason], count)
+        yield refused
+        yield CounterMetricFamily("hift_streams_expired", "streams released after idle_timeout_s",
+                                  value=table.streams_expired)
+        calls = CounterMetricFamily("hift_step_calls", "stream steps run, by device and kind (generator, final, f0)",
+                                    labels=["device", "kind"])
+        batches = CounterMetricFamily("hift_step_batches", "batched device calls, by device and kind; calls / "
+                                      "batches is the mean batch size", labels=["device", "kind"])
+        largest = GaugeMetricFamily("hift_step_batch_max", "the largest batch formed, by device", labels=["device"])
+        busy = CounterMetricFamily("hift_device_busy_seconds", "seconds inside device calls, by device",
+                                   labels=["device"])
+        share = GaugeMetricFamily("hift_device_busy_share", "busy seconds / seconds since the server started, by "
+                                  "device", labels=["device"])
+        uptime = max(time.monotonic() - self.started, 1e-9)
+        for device, scheduler in _schedulers(table.vocoder):
+            if scheduler is None:
+                continue
+            stats = scheduler.stats
+            for kind, (n_calls, n_batches, _) in sorted(stats.by_kind.items()):
+                calls.add_metric([device, kind], n_calls)
+                batches.add_metric([device, kind], n_batches)
+            largest.add_metric([device], stats.max_batch)
+            busy.add_metric([device], stats.busy_s)
+            share.add_metric([device], min(1.0, stats.busy_s / uptime))
+        yield from (calls, batches, largest, busy, share)
+
+
+def serve_state_metrics(table: StreamTable, port: int, address: str = "127.0.0.1") -> Any:
+    """Serve the collector's metrics at ``http://address:port/metrics`` from a daemon thread; the server object."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ServerStateCollector(table))  # type: ignore[arg-type]
+    server, _thread = start_http_server(port, addr=address, registry=registry)
+    return server
