@@ -196,6 +196,8 @@ def parity_vs_cpu(vocoder, artifacts: str, streams: int = 4, frames: int = 100) 
 
 
 def main() -> None:
+    from hift_runtime.argparsing import gpu_ids
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--artifacts", required=True)
     p.add_argument("--out", required=True)
@@ -207,7 +209,7 @@ def main() -> None:
                    help="engine of the in-process configs (batched, per_stream; default ort)")
     p.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "fp16"],
                    help="precision of the in-process configs (batched_tf32 is ort at tf32)")
-    p.add_argument("--gpus", default=None,
+    p.add_argument("--gpus", type=gpu_ids, default=None,
                    help="CUDA device ids of the in-process configs, e.g. 0,1: one engine per GPU, streams placed on "
                         "the least-loaded (default: one device)")
     p.add_argument("--warm-stream", action="store_true", help="run one stream after warmup() before measuring")
@@ -257,9 +259,8 @@ def main() -> None:
             cuda = options[0] if args.slots is None else dataclasses.replace(options[0], slots=args.slots)
             engine = args.engine if name in ("batched", "per_stream") else "ort"
             precision = args.precision if engine == "compiled" else ("tf32" if cuda.use_tf32 else args.precision)
-            gpus = [int(x) for x in args.gpus.split(",")] if args.gpus else None
             vocoder = open_vocoder(args.artifacts, device=args.device, cuda=cuda, batching=options[1], engine=engine,
-                                   precision=precision, devices=gpus)
+                                   precision=precision, devices=args.gpus)
             vocoder.warmup()
         parity = None if name == "served" or name.startswith("modelled") else parity_vs_cpu(vocoder, args.artifacts)
         print(name, "largest difference from the CPU EP's offline pass:", parity, flush=True)

@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from hift_runtime.argparsing import OneLineArgumentParser
+from hift_runtime.argparsing import OneLineArgumentParser, gpu_ids
 
 from .checkpoint import CheckpointError
 from .config import COSYVOICE3
@@ -33,7 +33,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--triton-repo", help="also write a Triton model repository (onnxruntime backend, sequence "
                                          "batching, caches as implicit state) into this folder")
     p.add_argument("--triton-max-batch", type=int, default=64, help="max_batch_size of the Triton models (default 64)")
-    p.add_argument("--triton-gpus", default=None,
+    p.add_argument("--triton-gpus", type=gpu_ids, default=None,
                    help="GPU ids the Triton generator model gets one instance on, e.g. 0,1 (default: one instance, "
                         "on a GPU Triton picks); a sequence stays on the instance that took its start")
     p.add_argument("--noise-seed", type=int, default=0,
@@ -60,9 +60,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             from .triton_repo import write_triton_repository
 
-            gpus = [int(x) for x in args.triton_gpus.split(",") if x.strip()] if args.triton_gpus else None
             write_triton_repository(read_manifest(args.out), Path(args.triton_repo),
-                                    max_batch=args.triton_max_batch, noise_seed=args.noise_seed, gpus=gpus)
+                                    max_batch=args.triton_max_batch, noise_seed=args.noise_seed,
+                                    gpus=args.triton_gpus)
     except (CheckpointError, ExportError, ValueError, OSError) as exc:
         print(f"hift-export: error: {exc}", file=sys.stderr)
         return 2

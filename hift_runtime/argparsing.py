@@ -11,3 +11,14 @@ class OneLineArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         sys.stderr.write(f"{self.prog}: error: {message} (see {self.prog} --help)\n")
         sys.exit(2)
+
+
+def gpu_ids(text: str) -> list[int]:
+    """An argparse ``type`` for a list of CUDA device ids, ``"0,1"`` -> ``[0, 1]``."""
+    try:
+        ids = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected CUDA device ids such as 0,1") from None
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected CUDA device ids such as 0,1")
+    return ids

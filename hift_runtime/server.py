@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from . import wire
-from .argparsing import OneLineArgumentParser
+from .argparsing import OneLineArgumentParser, gpu_ids
 from .manifest import ArtifactError
 from .noise import NoiseTableError
 from .serving import MAX_CHUNK_FRAMES, ChunkRequest, StreamTable
@@ -103,7 +103,7 @@ def _parser() -> argparse.ArgumentParser:
                         "busy share), Prometheus text at /metrics (default 8003)")
     p.add_argument("--model-name", default=wire.MODEL_NAME, help=f"model name (default {wire.MODEL_NAME})")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="generator device")
-    p.add_argument("--gpus", default=None,
+    p.add_argument("--gpus", type=gpu_ids, default=None,
                    help="CUDA device ids to serve on, e.g. 0,1: one engine per GPU, each new stream on the "
                         "least-loaded GPU and pinned there (default: every visible GPU)")
     p.add_argument("--engine", choices=["auto", "ort", "compiled"], default="auto",
@@ -160,15 +160,12 @@ def open_table(args: argparse.Namespace) -> tuple[StreamingVocoder, StreamTable]
     return vocoder, StreamTable(vocoder, workers=args.max_batch, max_chunk_frames=args.max_chunk_frames)
 
 
-def serving_gpus(option: str | None, device: str) -> list[int] | None:
+def serving_gpus(option: list[int] | None, device: str) -> list[int] | None:
     """``--gpus``: the listed ids; by default every visible GPU when there are several (None: the one-device path)."""
     from .sessions import visible_gpus
 
     if option:
-        try:
-            return [int(x) for x in option.split(",") if x.strip()]
-        except ValueError:
-            raise SystemExit(f"hift-serve: --gpus {option!r}: expected CUDA device ids such as 0,1") from None
+        return option
     gpus = visible_gpus() if device != "cpu" else []
     return gpus if len(gpus) > 1 else None
 

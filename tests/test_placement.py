@@ -106,7 +106,10 @@ def test_devices_are_checked(small_artifacts):
 def test_hift_serve_gpus_option():
     from hift_runtime.server import serving_gpus
 
-    assert serving_gpus("0,1", "auto") == [0, 1] and serving_gpus("1", "cuda") == [1]
+    from hift_runtime.server import _parser
+
+    assert _parser().parse_args(["--artifacts", "x", "--gpus", "0,1"]).gpus == [0, 1]
+    assert serving_gpus([1], "cuda") == [1]
     assert serving_gpus(None, "cpu") is None  # the CPU: one device
-    with pytest.raises(SystemExit, match="--gpus 'a,b'"):
-        serving_gpus("a,b", "auto")
+    with pytest.raises(SystemExit):  # one line on stderr, exit 2
+        _parser().parse_args(["--artifacts", "x", "--gpus", "a,b"])
