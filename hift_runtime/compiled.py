@@ -81,7 +81,9 @@ class _Captured:
     """One call of ``fn`` at one fixed shape as a CUDA graph: static input buffers, outputs read after replay."""
 
     def __init__(self, fn: Callable[..., tuple[torch.Tensor, ...]], example: list[torch.Tensor], pool: Any) -> None:
-        self.inputs = [x.clone() for x in example]
+        # The example tensors themselves become the graph's input buffers: a clone would drop dynamo's dynamic/static
+        # marks on them (then B = 2 compiles static, and the next batch size compiles again).
+        self.inputs = list(example)
         self.batch = example[0].shape[0]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -199,7 +201,7 @@ class CompiledBackend:
     def _f0(self, mel: torch.Tensor, *caches: torch.Tensor) -> tuple[torch.Tensor, ...]:
         from hift_export.step import f0_step
 
-        f0, nxt = f0_step(self.predictor, mel, dict(zip(self._f0_names, caches)))
+        f0, nxt = f0_step(self.predictor, mel, dict(zip(self._f0_names, caches)), one_gemm=True)
         return (f0, *(nxt[name] for name in self._f0_names))
 
     @property
@@ -233,7 +235,10 @@ class CompiledBackend:
         matmul = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = tf32
         try:
-            with torch.backends.cudnn.flags(enabled=True, allow_tf32=tf32), torch.inference_mode():
+            # benchmark: cuDNN times its algorithms per shape at warmup (before each capture). Its heuristics alone
+            # picked algorithms that made the fp32 step ~3x slower than measured and held ~90 GB of workspace.
+            with torch.backends.cudnn.flags(enabled=True, benchmark=self.on_cuda, allow_tf32=tf32), \
+                    torch.inference_mode():
                 yield
         finally:
             torch.backends.cuda.matmul.allow_tf32 = matmul
