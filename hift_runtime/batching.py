@@ -28,6 +28,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
+import weakref
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,6 +63,7 @@ class _Push:
     done: threading.Event = field(default_factory=threading.Event)
     result: np.ndarray | None = None
     error: BaseException | None = None
+    on_done: Callable[[], None] | None = None  # told once the push settled (from whichever thread settled it)
 
 
 @dataclass(eq=False)
@@ -118,15 +120,15 @@ class PushScheduler:
         self._handed_over: set[_Push] = set()  # pushes handed over and not yet done (what close() fails if it must)
         self._cv = threading.Condition()
         self._closing = False
+        self._wakers: weakref.WeakKeyDictionary[Any, _LoopWaker] = weakref.WeakKeyDictionary()  # one per loop
         # The batched calls run here, so the scheduler thread keeps Python work going while the device computes.
         self._device = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hift-batch-call")
         self._thread = threading.Thread(target=self._loop, name="hift-scheduler", daemon=True)
         self._thread.start()
 
-    def run(self, steps: Generator[StepCall, Any, np.ndarray], cancel: CancelToken | None = None) -> np.ndarray:
-        """Run one push to its end (from the stream's thread); its result, or its error raised here. Interrupted
-        (KeyboardInterrupt) or cancelled, the push is cancelled and this returns only once it has settled."""
-        push = _Push(steps, time.monotonic())
+    def _submit(self, steps: Generator[StepCall, Any, np.ndarray],
+                on_done: Callable[[], None] | None = None) -> _Push:
+        push = _Push(steps, time.monotonic(), on_done=on_done)
         with self._cv:
             if self._closing:
                 steps.close()
@@ -134,6 +136,48 @@ class PushScheduler:
             self._arrivals.append(push)
             self._handed_over.add(push)
             self._cv.notify()
+        return push
+
+    async def arun(self, steps: Generator[StepCall, Any, np.ndarray],
+                   on_cancelled: Callable[[BaseException | None], None] | None = None) -> np.ndarray:
+        """:meth:`run` for asyncio: no thread per push. The scheduler thread tells the event loop of settled pushes in
+        bulk (one loop wake-up for every push a batched call settles). Cancelling the awaiting task cancels the
+        push; the cancellation goes on only once the push has settled (a retry cannot overlap it), after
+        ``on_cancelled(how it settled: its error, or None if it ran to its end)``."""
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        waker = self._waker(loop)
+        settled = loop.create_future()
+        push = self._submit(steps, lambda: waker.resolve(settled))
+        try:
+            await asyncio.shield(settled)
+        except asyncio.CancelledError:
+            self._cancel(push)
+            while not settled.done():  # through further cancellations
+                try:
+                    await asyncio.wait([settled])
+                except asyncio.CancelledError:
+                    pass
+            if on_cancelled is not None:
+                on_cancelled(push.error)
+            raise
+        if push.error is not None:
+            raise push.error
+        assert push.result is not None
+        return push.result
+
+    def _waker(self, loop: Any) -> "_LoopWaker":
+        with self._cv:
+            waker = self._wakers.get(loop)
+            if waker is None:
+                waker = self._wakers[loop] = _LoopWaker(loop)
+            return waker
+
+    def run(self, steps: Generator[StepCall, Any, np.ndarray], cancel: CancelToken | None = None) -> np.ndarray:
+        """Run one push to its end (from the stream's thread); its result, or its error raised here. Interrupted
+        (KeyboardInterrupt) or cancelled, the push is cancelled and this returns only once it has settled."""
+        push = self._submit(steps)
         if cancel is not None:
             cancel.on_cancel(lambda: self._cancel(push))
         try:
@@ -318,6 +362,36 @@ class PushScheduler:
                 return
             self._handed_over.discard(push)
             push.done.set()
+        if push.on_done is not None:
+            push.on_done()
+
+
+class _LoopWaker:
+    """Settled pushes handed to one asyncio event loop in bulk: the first one of a burst schedules one callback on the
+    loop (a wake-up through its self-pipe); the rest of the burst joins it."""
+
+    def __init__(self, loop: Any) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[Any] = []
+
+    def resolve(self, future: Any) -> None:
+        with self._lock:
+            self._pending.append(future)
+            first = len(self._pending) == 1
+        if first:
+            try:
+                self._loop.call_soon_threadsafe(self._drain)
+            except RuntimeError:  # the loop was closed: nobody awaits these any more
+                with self._lock:
+                    self._pending.clear()
+
+    def _drain(self) -> None:
+        with self._lock:
+            futures, self._pending = self._pending, []
+        for future in futures:
+            if not future.done():
+                future.set_result(None)
 
 
 def _wait_settled(done: threading.Event) -> None:

@@ -37,6 +37,7 @@ calls on one :class:`VocoderStream` are serialised by its lock.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 import warnings
@@ -380,6 +381,11 @@ def validate_mel(mel: Any, channels: int) -> np.ndarray:
     float64/float16 input is converted to float32 (what the graphs compute in); integer, bool and complex arrays
     are refused (a mel is never integer; an integer array is almost certainly the wrong input).
     """
+    return validate_mel_range(mel, channels)[0]
+
+
+def validate_mel_range(mel: Any, channels: int) -> tuple[np.ndarray, float, float]:
+    """:func:`validate_mel`, and the chunk's smallest and largest value (0, 0 when empty)."""
     if not isinstance(mel, np.ndarray):
         try:
             mel = np.asarray(mel)
@@ -398,12 +404,16 @@ def validate_mel(mel: Any, channels: int) -> np.ndarray:
     if not (np.issubdtype(mel.dtype, np.floating)):
         raise MelTypeError(f"mel has dtype {mel.dtype}; expected float32 (float64/float16 are converted)")
     mel = np.ascontiguousarray(mel, dtype=np.float32)
-    finite = np.isfinite(mel)
-    if not finite.all():
-        bad = np.argwhere(~finite)
+    if mel.size == 0:
+        return mel, 0.0, 0.0
+    # min and max carry any NaN or Inf (two reductions, also what the range warning needs, instead of isfinite's
+    # array and its all(): the per-push cost counts at thousands of pushes a second).
+    lo, hi = float(mel.min()), float(mel.max())
+    if not math.isfinite(lo + hi):
+        bad = np.argwhere(~np.isfinite(mel))
         raise MelError(f"mel has {bad.shape[0]} non-finite values (NaN/Inf), first at bin {bad[0][0]}, frame "
                        f"{bad[0][1]} of this chunk; the stream is unchanged")
-    return mel
+    return mel, lo, hi
 
 
 class VocoderStream:
@@ -471,37 +481,58 @@ class VocoderStream:
         return self._call("finish()", mel, final=True, cancel=cancel)
 
     async def apush(self, mel: Any) -> np.ndarray:
-        """``push`` from asyncio: runs in a worker thread, so concurrent streams' steps can batch. Cancelling the
-        task cancels the push (the stream is then unchanged, or the push completed: never half of it)."""
-        return await self._acall(self.push, mel)
+        """``push`` from asyncio. With a batching scheduler the push is handed to it from the event loop's thread (no
+        thread per push or per stream: thousands of streams can run as tasks of one loop); without one it runs in a
+        worker thread. Cancelling the task cancels the push (the stream is then unchanged, or the push completed:
+        never half of it). Calls on one stream must not overlap: a second one while one is in flight is refused."""
+        return await self._acall("apush()", mel, final=False)
 
     async def afinish(self, mel: Any = None) -> np.ndarray:
-        return await self._acall(self.finish, mel)
+        return await self._acall("afinish()", mel, final=True)
 
-    async def _acall(self, call: Any, mel: Any) -> np.ndarray:
+    async def _acall(self, name: str, mel: Any, final: bool) -> np.ndarray:
         import asyncio
 
-        token = CancelToken()
-        task = asyncio.ensure_future(asyncio.to_thread(call, mel, token))
+        scheduler = self._v.scheduler
+        if scheduler is None:  # no scheduler: the steps run on the backend in a worker thread
+            token = CancelToken()
+            task = asyncio.ensure_future(asyncio.to_thread(self._call, name, mel, final, token))
+            try:
+                return await asyncio.shield(task)
+            except asyncio.CancelledError:
+                token.cancel()
+                # The push settles (stops, or runs to its end) before the cancellation goes on.
+                with contextlib.suppress(BaseException):
+                    await asyncio.wait([task])
+                raise
+        # The stream's lock is held across the await (released by this task, in the loop's thread); blocking on it
+        # would block the loop, so an overlapping call is refused instead.
+        if not self._lock.acquire(blocking=False):
+            raise StreamError(f"{name} while another call on this stream is in progress; await it first")
         try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            token.cancel()
-            # The push settles (stops, or runs to its end) before the cancellation goes on: a retry cannot overlap it.
-            with contextlib.suppress(BaseException):
-                await asyncio.wait([task])
-            raise
+            chunk = self._accept(name, mel, final)
+            if chunk is None:
+                return np.zeros(0, np.float32)
+            with self._v._pushing():
+                try:
+                    out = await scheduler.arun(self._steps(chunk, final), on_cancelled=self._push_cancelled)
+                except asyncio.CancelledError:
+                    raise  # handled by _push_cancelled once the push settled
+                except BaseException as exc:
+                    self._push_failed(exc)
+                    raise
+            if final:
+                self._v._unregister(self)
+            return out
+        finally:
+            self.idle_since = time.monotonic()
+            self._lock.release()
 
     def _call(self, name: str, mel: Any, final: bool, cancel: CancelToken | None) -> np.ndarray:
         with self._lock:
             try:
-                if final and self._closed_as == "finished":
-                    raise StreamError("finish() called twice: the stream is already closed")
-                self._check_open(name)
-                chunk = (np.zeros((self._c.in_channels, 0), np.float32) if mel is None
-                         else validate_mel(mel, self._c.in_channels))
-                self._warn_range(chunk)
-                if chunk.shape[1] == 0 and not final:
+                chunk = self._accept(name, mel, final)
+                if chunk is None:
                     return np.zeros(0, np.float32)
                 with self._v._pushing():
                     out = self._advance(chunk, final=final, cancel=cancel)
@@ -510,6 +541,25 @@ class VocoderStream:
                 return out
             finally:
                 self.idle_since = time.monotonic()
+
+    def _accept(self, name: str, mel: Any, final: bool) -> np.ndarray | None:
+        """The call's chunk, validated (a refusal raises here, before anything changes); None: nothing to do."""
+        if final and self._closed_as == "finished":
+            raise StreamError(f"{'afinish()' if name.startswith('a') else 'finish()'} called twice: the stream is "
+                              f"already closed")
+        self._check_open(name)
+        if mel is None:
+            chunk, lo, hi = np.zeros((self._c.in_channels, 0), np.float32), 0.0, 0.0
+        else:
+            chunk, lo, hi = validate_mel_range(mel, self._c.in_channels)
+        if not self._warned_range and (lo < LOG_MEL_RANGE[0] or hi > LOG_MEL_RANGE[1]):
+            self._warned_range = True
+            warnings.warn(f"mel values span [{lo:.1f}, {hi:.1f}], outside the natural-log mel range "
+                          f"{LOG_MEL_RANGE} the vocoder was trained on (linear or dB mel?)", RuntimeWarning,
+                          stacklevel=4)
+        if chunk.shape[1] == 0 and not final:
+            return None
+        return chunk
 
     def close(self) -> None:
         """Drop the stream without finishing it: its state (and device slot) is released at once; later calls raise
@@ -548,16 +598,6 @@ class VocoderStream:
         self._mel = self._f0 = self._gen_caches = self._f0_caches = None  # type: ignore[assignment]
 
     # ---- internals ----------------------------------------------------------------------------------------------
-    def _warn_range(self, chunk: np.ndarray) -> None:
-        if self._warned_range or chunk.size == 0:
-            return
-        lo, hi = float(chunk.min()), float(chunk.max())
-        if lo < LOG_MEL_RANGE[0] or hi > LOG_MEL_RANGE[1]:
-            self._warned_range = True
-            warnings.warn(f"mel values span [{lo:.1f}, {hi:.1f}], outside the natural-log mel range "
-                          f"{LOG_MEL_RANGE} the vocoder was trained on (linear or dB mel?)", RuntimeWarning,
-                          stacklevel=4)
-
     def _advance(self, chunk: np.ndarray, final: bool, cancel: CancelToken | None = None) -> np.ndarray:
         """Run the steps the new frames allow: through the vocoder's scheduler (which batches them with other
         streams' steps), or straight on its backend. A push that fails after it wrote in-place caches loses the
@@ -568,17 +608,27 @@ class VocoderStream:
             if scheduler is not None:
                 return scheduler.run(steps, cancel)
             return drive(steps, self._v.backend, cancel)
-        except PushCancelled:  # cancelled only before any call that writes caches ran: nothing to undo
-            self._caches_written = False
-            raise
         except BaseException as exc:
-            if isinstance(exc, Exception) and not isinstance(exc, SchedulerClosed) and self._v.failure is None:
-                self._v.failure = exc  # a backend call failed (input errors are refused before _advance)
-            if self._caches_written:
-                self._caches_written = False
-                self._release("lost")
-                self._v._unregister(self)
+            self._push_failed(exc)
             raise
+
+    def _push_cancelled(self, error: BaseException | None) -> None:
+        """An async push whose task was cancelled has settled: it ran to its end (committed) or stopped."""
+        if error is not None:
+            self._push_failed(error)
+
+    def _push_failed(self, exc: BaseException) -> None:
+        """After a push that did not complete: a cancelled one changed nothing; one that failed after it wrote
+        in-place caches loses the stream; a backend's error marks the vocoder failed (for placement)."""
+        if isinstance(exc, PushCancelled):  # cancelled only before any call that writes caches ran
+            self._caches_written = False
+            return
+        if isinstance(exc, Exception) and not isinstance(exc, SchedulerClosed) and self._v.failure is None:
+            self._v.failure = exc  # a backend call failed (input errors are refused before _advance)
+        if self._caches_written:
+            self._caches_written = False
+            self._release("lost")
+            self._v._unregister(self)
 
     def _generator_call(self, kind: str, mel: np.ndarray, f0: np.ndarray, position: int, frames: int,
                         phase: np.ndarray, caches: Any) -> StepCall:

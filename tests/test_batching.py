@@ -110,20 +110,44 @@ def test_idle_streams_expire_and_free_their_slot(small_artifacts):
 
 def test_asyncio_streams_batch_and_equal_alone(small_artifacts, alone):
     batched = open_vocoder(small_artifacts.out, device="cpu", batching=True, max_wait_ms=5)
-    mels = [random_mel(60, seed=60 + i) for i in range(5)]
+    mels = [random_mel(60, seed=60 + i) for i in range(12)]
     expected = [run_stream(alone, m, [20] * 3) for m in mels]
+    threads = []
 
     async def one(mel):
         stream = batched.stream()
-        pieces = [await stream.apush(mel[:, k:k + 20]) for k in range(0, 60, 20)]
+        pieces = []
+        for k in range(0, 60, 20):
+            pieces.append(await stream.apush(mel[:, k:k + 20]))
+            threads.append(threading.active_count())
         pieces.append(await stream.afinish())
         return np.concatenate(pieces)
 
     async def main():
         return await asyncio.gather(*(one(m) for m in mels))
 
+    before = threading.active_count()
     for got, want in zip(asyncio.run(main()), expected):
         assert max_abs(got, want) <= 1e-6
+    assert max(threads) <= before + 1  # + the call thread (started at the first call): no thread per push
+    assert batched.scheduler.stats.max_batch > 1
+    batched.close()
+
+
+def test_an_overlapping_async_call_on_one_stream_is_refused(small_artifacts, alone):
+    batched = open_vocoder(small_artifacts.out, device="cpu", batching=True, max_wait_ms=5)
+    mel = random_mel(60, seed=70)
+
+    async def main():
+        stream = batched.stream()
+        first = asyncio.ensure_future(stream.apush(mel[:, :30]))
+        await asyncio.sleep(0)  # the first call holds the stream
+        with pytest.raises(StreamError, match="another call on this stream is in progress"):
+            await stream.apush(mel[:, :30])
+        return np.concatenate([await first, await stream.afinish(mel[:, 30:])])
+
+    assert max_abs(asyncio.run(main()), alone.vocode(mel)) <= 1e-6
+    batched.close()
 
 
 class _FailingOnce:
