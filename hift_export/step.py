@@ -171,7 +171,8 @@ def _trunk(gen: CausalHiFTGenerator, mel: torch.Tensor, s_stft: torch.Tensor, fi
 
 def generator_step(gen: CausalHiFTGenerator, mel: torch.Tensor, f0: torch.Tensor, noise: torch.Tensor,
                    phase_in: torch.Tensor, first: torch.Tensor, caches: dict[str, torch.Tensor],
-                   final: bool, trunk_dtype: torch.dtype | None = None
+                   final: bool, trunk_dtype: torch.dtype | None = None,
+                   source: tuple[torch.Tensor, torch.Tensor] | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """One generator step (see the module docstring). Returns ``(audio, phase_out, new caches)``; the final step
     returns no caches.
@@ -179,7 +180,10 @@ def generator_step(gen: CausalHiFTGenerator, mel: torch.Tensor, f0: torch.Tensor
     ``trunk_dtype`` (e.g. ``torch.float16``): the convolution trunk (``conv_pre`` .. ``conv_post``, the source
     resblocks included) under autocast to that dtype; the source, its STFT, the phase and the iSTFT head stay float32,
     and the trunk's output is made finite before the head (an overflow in half precision must not become NaN audio).
-    The caches the trunk writes are then in that dtype."""
+    The caches the trunk writes are then in that dtype.
+
+    ``source``: ``gen.m_source(f0, noise, phase_in)`` computed by the caller (``f0`` and ``noise`` are then unused):
+    a compiler can take the rest of the step while the source's phase rounds as eager code rounds it."""
     if gen.spectral.mode != "conv":
         raise ValueError("the step form needs the generator built with spectral='conv'")
     cfg = gen.config
@@ -188,7 +192,7 @@ def generator_step(gen: CausalHiFTGenerator, mel: torch.Tensor, f0: torch.Tensor
     half = cfg.n_fft // 2
 
     # Source: frames [a, a+c+1) (stream) or [a, N) (final); the STFT frames [120a, 120(a+c)] from it.
-    source, cum = gen.m_source(f0, noise, phase_in)
+    source, cum = gen.m_source(f0, noise, phase_in) if source is None else source
     phase_out = cum[:, -1] if final else cum[:, -2]
     # Every slice below is relative to an end with a constant offset, so each shape is affine in c (no data-dependent
     # sizes for torch.export).
