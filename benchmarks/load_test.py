@@ -2,7 +2,7 @@
 (one every 480 ms), through one opened runtime. Not a test: it reports figures per K.
 
     python benchmarks/load_test.py --artifacts DIR --out benchmarks/results/NAME.json [--seconds 6]
-        [--ks 1,16,64,...] [--configs batched,batched_tf32,per_stream]
+        [--ks 1,16,64,...] [--configs batched,batched_tf32,per_stream] [--clients threads|asyncio]
 
 Per K: push latency p50/p95/p99 (from each push's due time to its return, so falling behind counts), first-chunk
 latency, throughput (audio seconds produced per wall second), GPU memory. The bound is p95 <= 240 ms (half a chunk);
@@ -88,12 +88,26 @@ class _Served:
         return self.clients[i % len(self.clients)].stream()
 
     def batches(self) -> dict[str, float]:
+        """Triton's counters so far (summed over its models): inferences, executions (batches), successful
+        requests, and the microseconds requests spent queued and computing."""
         import urllib.request
 
         text = urllib.request.urlopen(self.metrics_url, timeout=10).read().decode()
         get = lambda name: sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines()  # noqa: E731
                                if x.startswith(name + "{"))
-        return {"requests": get("nv_inference_count"), "executions": get("nv_inference_exec_count")}
+        return {"requests": get("nv_inference_count"), "executions": get("nv_inference_exec_count"),
+                "successes": get("nv_inference_request_success"),
+                "queue_us": get("nv_inference_queue_duration_us"),
+                "compute_us": get("nv_inference_compute_infer_duration_us")}
+
+
+def triton_this_run(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What Triton's counters say of one run: the batches it formed and the time a request waited in its queue."""
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    return {"requests": d["requests"], "batches": d["executions"],
+            "mean_batch": round(d["requests"] / d["executions"], 2) if d["executions"] else 0.0,
+            "mean_queue_ms": round(d["queue_us"] / d["successes"] / 1e3, 3) if d["successes"] else 0.0,
+            "mean_compute_ms": round(d["compute_us"] / d["successes"] / 1e3, 3) if d["successes"] else 0.0}
 
     def close(self) -> None:
         for c in self.clients:
@@ -108,9 +122,12 @@ def _counters(vocoder) -> dict[str, list[float]] | None:
     return None if stats is None else {kind: list(v) for kind, v in stats.by_kind.items()}
 
 
-def run_k(vocoder, k: int, seconds: float) -> dict[str, Any]:
+def run_k(vocoder, k: int, seconds: float, clients: str = "threads") -> dict[str, Any]:
+    """``clients``: ``threads`` (a thread per stream, ``push``) or ``asyncio`` (a task per stream on one event loop,
+    ``apush``: no thread per stream; in-process configs only)."""
     frames = int(seconds * 50)
     before = _counters(vocoder)
+    triton_before = vocoder.batches() if isinstance(vocoder, _Served) else None
     mel = synthetic_mel(frames)
     lat: list[float] = []
     by_index: dict[int, list[float]] = {}  # push index -> latencies (where in a stream the tail comes from)
@@ -143,11 +160,46 @@ def run_k(vocoder, k: int, seconds: float) -> dict[str, Any]:
             with lock:
                 errors.append(f"{type(exc).__name__}: {exc}"[:200])
 
-    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(k)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    async def astream(i: int) -> None:  # the same stream as a task of one event loop (apush / afinish)
+        import asyncio
+
+        t0 = start + PERIOD_S * i / k
+        try:
+            await asyncio.sleep(max(0.0, t0 - time.monotonic()))
+            s = vocoder.stream()
+            mine, head = [], None
+            for j, pos in enumerate(range(0, frames, CHUNK)):
+                due = t0 + j * PERIOD_S
+                await asyncio.sleep(max(0.0, due - time.monotonic()))
+                chunk = mel[:, pos:pos + CHUNK]
+                await (s.afinish(chunk) if pos + CHUNK >= frames else s.apush(chunk))
+                took = time.monotonic() - due
+                if j == 0:
+                    head = took
+                else:
+                    mine.append(took)
+            with lock:
+                lat.extend(mine)
+                for j, took in enumerate(mine, start=1):
+                    by_index.setdefault(j, []).append(took)
+                first.append(head)
+        except Exception as exc:  # noqa: BLE001 - counted and reported
+            with lock:
+                errors.append(f"{type(exc).__name__}: {exc}"[:200])
+
+    if clients == "asyncio" and not isinstance(vocoder, _Served):
+        import asyncio
+
+        async def run_all() -> None:
+            await asyncio.gather(*(astream(i) for i in range(k)))
+
+        asyncio.run(run_all())
+    else:
+        threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(k)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     wall = time.monotonic() - start
     a = np.asarray(lat) * 1e3 if lat else np.asarray([np.nan])
     f = np.asarray(first) * 1e3 if first else np.asarray([np.nan])
@@ -165,9 +217,44 @@ def run_k(vocoder, k: int, seconds: float) -> dict[str, Any]:
             "errors": len(errors), "first_error": errors[0] if errors else None,
             "gpu_memory_mb": gpu_memory_mb(), "max_batch": getattr(stats, "max_batch", 1),
             **({"batcher_this_run": {"calls_batches_busy_s_by_kind": this_run}} if this_run is not None else {}),
-            **({"triton_total": served} if served else {}),
+            **({"triton_total": served, "triton_this_run": triton_this_run(triton_before or {}, served)}
+               if served else {}),
             "push_p95_ms_by_index": [round(float(np.percentile(by_index[j], 95)) * 1e3, 1) for j in sorted(by_index)],
             **({"each_push_ms": [round(x, 1) for x in a.tolist()]} if k == 1 else {})}
+
+
+def plot(result: dict[str, Any], png: Path) -> None:
+    """Push p50/p95 and throughput against K, one line per config, the p95 bound marked: the picture an operator
+    reads (written beside the JSON)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (lat, thr) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for i, (name, cfg) in enumerate(result["configs"].items()):
+        runs = cfg["runs"]
+        if not runs:
+            continue
+        ks = [r["k"] for r in runs]
+        color = f"C{i}"
+        label = f"{name} ({cfg['engine']})" if cfg.get("engine") else name
+        lat.plot(ks, [r["push_p95_ms"] for r in runs], "o-", color=color, label=f"{label} p95")
+        lat.plot(ks, [r["push_p50_ms"] for r in runs], "s--", color=color, alpha=0.6, label=f"{label} p50")
+        thr.plot(ks, [r["throughput_audio_s_per_s"] for r in runs], "o-", color=color, label=label)
+    top = max((r["k"] for c in result["configs"].values() for r in c["runs"]), default=1)
+    lat.axhline(result.get("p95_bound_ms", P95_BOUND_MS), color="k", lw=1, ls=":", label="p95 bound")
+    lat.set(xscale="log", yscale="log", xlabel="concurrent streams K", ylabel="push latency (ms)",
+            title="push latency (from due time)")
+    thr.plot([0, top], [0, top], color="k", lw=1, ls=":", label="real time (= K)")
+    thr.set(xlabel="concurrent streams K", ylabel="audio seconds per second", title="throughput")
+    lat.legend(fontsize=7)
+    thr.legend(fontsize=7)
+    when = f"{result['when']}, " if "when" in result else ""
+    fig.suptitle(f"{png.stem}  ({when}{result.get('seconds_per_stream', '?')} s streams)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
 
 
 def parity_vs_cpu(vocoder, artifacts: str, streams: int = 4, frames: int = 100) -> float:
@@ -199,8 +286,10 @@ def main() -> None:
     from hift_runtime.argparsing import gpu_ids
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--artifacts", required=True)
-    p.add_argument("--out", required=True)
+    p.add_argument("--artifacts", required=False, help="the export to load (required unless --plot-only)")
+    p.add_argument("--out", required=False, help="the result JSON (a PNG of it is written beside it)")
+    p.add_argument("--plot-only", nargs="+", metavar="JSON", help="only draw the PNG beside each recorded result")
+    p.add_argument("--combine", metavar="PNG", help="with --plot-only: every result's configs in this one picture")
     p.add_argument("--seconds", type=float, default=6.0, help="utterance length per stream (default 6 s)")
     p.add_argument("--ks", default="1,16,64,128,256,384,512,768,1024,1536")
     p.add_argument("--configs", default="batched,batched_tf32,per_stream")
@@ -212,6 +301,8 @@ def main() -> None:
     p.add_argument("--gpus", type=gpu_ids, default=None,
                    help="CUDA device ids of the in-process configs, e.g. 0,1: one engine per GPU, streams placed on "
                         "the least-loaded (default: one device)")
+    p.add_argument("--clients", default="threads", choices=["threads", "asyncio"],
+                   help="the in-process configs' streams: a thread each (push), or tasks of one event loop (apush)")
     p.add_argument("--warm-stream", action="store_true", help="run one stream after warmup() before measuring")
     p.add_argument("--switch-interval-ms", type=float, default=None,
                    help="Python's GIL switch interval during the run (default: Python's 5 ms)")
@@ -220,6 +311,20 @@ def main() -> None:
     p.add_argument("--served-instances", type=int, default=1, help="hift-serve --instances (served config)")
     p.add_argument("--served-wait-ms", type=float, default=2.0, help="hift-serve --max-wait-ms (served config)")
     args = p.parse_args()
+    if args.plot_only:
+        results = {Path(path): json.loads(Path(path).read_text()) for path in args.plot_only}
+        if args.combine:  # every config of every result in one picture, named by its file
+            merged = {"configs": {f"{path.stem}: {name}": cfg for path, r in results.items()
+                                  for name, cfg in r["configs"].items()},
+                      "seconds_per_stream": "/".join(sorted({str(r.get("seconds_per_stream")) for r in
+                                                             results.values()}))}
+            plot(merged, Path(args.combine))
+        else:
+            for path, r in results.items():
+                plot(r, path.with_suffix(".png"))
+        return
+    if not args.artifacts or not args.out:
+        p.error("--artifacts and --out are required (unless --plot-only)")
     import onnxruntime as ort
 
     if hasattr(ort, "preload_dlls"):
@@ -277,7 +382,7 @@ def main() -> None:
                                    "engine": getattr(getattr(vocoder, "backend", None), "name", "served"),
                                    "gpu_memory_after_warmup_mb": gpu_memory_mb(), "runs": rows}
         for k in ks:
-            row = run_k(vocoder, k, args.seconds)
+            row = run_k(vocoder, k, args.seconds, args.clients)
             rows.append(row)
             print(name, json.dumps(row), flush=True)
             Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
@@ -290,6 +395,7 @@ def main() -> None:
         vocoder.close()
         del vocoder
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, Path(args.out).with_suffix(".png"))
 
 
 if __name__ == "__main__":

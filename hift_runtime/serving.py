@@ -3,8 +3,9 @@
 
 A request names its stream, carries a mel chunk and two flags: ``start`` opens the stream (the chunk is its first),
 ``end`` closes it after the chunk (the reply then holds the held-back tail too). The requests of one batch run
-concurrently, one thread per stream, so the vocoder's push scheduler turns them into batched steps; the requests of
-one stream run in the order they came. A refused request (unknown stream, a chunk after end, a bad mel, a chunk
+concurrently as tasks of one event loop (its own thread), handed to the vocoder's push scheduler without a thread
+per stream (:meth:`~hift_runtime.streaming.VocoderStream.apush`), so they become batched steps; the requests of one
+stream run in the order they came, also across batches served at once. A refused request (unknown stream, a chunk after end, a bad mel, a chunk
 longer than ``max_chunk_frames``, a bad id, too many open streams) gets its own error message and leaves every
 stream's state as it was; the others in its batch are served. An ``end`` request is one unit: its chunk and the
 stream's tail are computed together, or (refused, failed) not at all.
@@ -16,6 +17,7 @@ chunk is told "ended" or "expired" rather than "unknown") by :data:`CLOSED_IDS_R
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import concurrent.futures
 import logging
@@ -23,6 +25,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -96,6 +99,7 @@ class StreamTable:
     """Open streams by id over one vocoder; :meth:`handle` serves a batch of requests."""
 
     def __init__(self, vocoder: StreamingVocoder, workers: int = 64, max_chunk_frames: int = MAX_CHUNK_FRAMES) -> None:
+        """``workers``: threads for pushes where the vocoder has no batching scheduler (with one, none are used)."""
         if workers < 1 or max_chunk_frames < 1:
             raise ValueError(f"workers and max_chunk_frames must be >= 1, got {workers}, {max_chunk_frames}")
         self.vocoder = vocoder
@@ -104,7 +108,12 @@ class StreamTable:
         self._closed: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._next_reap = 0.0
-        self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="hift-stream")
+        # Stream id -> [its order lock, requests holding or awaiting it]: the loop's own (touched only there).
+        self._order: dict[str, list[Any]] = {}
+        self._loop = asyncio.new_event_loop()
+        self._loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="hift-stream"))
+        self._loop_thread = threading.Thread(target=self._loop.run_forever, name="hift-serving-loop", daemon=True)
+        self._loop_thread.start()
         # What the server's metrics show (server_metrics.py): refusals by reason, streams expired.
         self.refused: collections.Counter[str] = collections.Counter()
         self.streams_expired = 0
@@ -119,21 +128,46 @@ class StreamTable:
         order: dict[str, list[int]] = {}
         for i, request in enumerate(requests):
             order.setdefault(request.stream_id, []).append(i)
+        if self._loop.is_closed():
+            raise RuntimeError("the stream table was closed")
+        groups = [[requests[i] for i in idx] for idx in order.values()]
+        answered = asyncio.run_coroutine_threadsafe(self._serve_groups(groups), self._loop).result()
         replies: list[ChunkReply] = [ChunkReply(_EMPTY)] * len(requests)
-        jobs = {self._pool.submit(self._serve_in_order, [requests[i] for i in idx]): idx for idx in order.values()}
-        for job, idx in jobs.items():
-            for i, reply in zip(idx, job.result()):
+        for idx, group_replies in zip(order.values(), answered):
+            for i, reply in zip(idx, group_replies):
                 replies[i] = reply
         return replies
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        """Stop the table's event loop (after the batches in flight) and its threads."""
+        if self._loop.is_closed():
+            return
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._loop_thread.join()
+        self._loop.run_until_complete(self._loop.shutdown_default_executor())
+        self._loop.close()
 
-    # ---- internals ------------------------------------------------------------------------------------------------
-    def _serve_in_order(self, requests: list[ChunkRequest]) -> list[ChunkReply]:
-        return [self._serve(r) for r in requests]
+    # ---- internals (the coroutines run on the table's loop) ---------------------------------------------------------
+    async def _serve_groups(self, groups: list[list[ChunkRequest]]) -> list[list[ChunkReply]]:
+        return list(await asyncio.gather(*(self._serve_in_order(g) for g in groups)))
 
-    def _serve(self, request: ChunkRequest) -> ChunkReply:
+    async def _serve_in_order(self, requests: list[ChunkRequest]) -> list[ChunkReply]:
+        """One stream's requests of a batch, in order, after its requests of batches served before (one lock per
+        stream id while some request of it is in flight: a stream's calls never overlap)."""
+        sid = requests[0].stream_id
+        entry = self._order.get(sid)
+        if entry is None:
+            entry = self._order[sid] = [asyncio.Lock(), 0]
+        entry[1] += 1
+        try:
+            async with entry[0]:
+                return [await self._serve(r) for r in requests]
+        finally:
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._order[sid]
+
+    async def _serve(self, request: ChunkRequest) -> ChunkReply:
         sid = request.stream_id
         stream = None
         try:
@@ -146,7 +180,7 @@ class StreamTable:
             stream = self._open(sid) if found is None else found
             try:
                 # push + finish as one unit: a failed end request leaves the stream as it was.
-                audio = stream.finish(mel) if request.end else stream.push(mel)
+                audio = await (stream.afinish(mel) if request.end else stream.apush(mel))
             except Exception:
                 if request.start:  # the stream was never there: the client may start it again
                     stream.close()
