@@ -285,6 +285,25 @@ def test_seeded_noise_rows_from_cached_blocks_equal_hashing_each_row():
     assert table.rows(5, 10).min() >= 0.0
 
 
+def test_seeded_noise_is_splitmix64_of_row_and_column():
+    """The seeded table's values against SplitMix64 written out in Python integers (the definition the Triton
+    repository's in-graph noise also follows): row * columns + column + seed * golden, top 24 bits, at the start,
+    inside, and across the wrap."""
+    mask, golden = (1 << 64) - 1, 0x9E3779B97F4A7C15
+
+    def value(seed: int, row: int, column: int, columns: int = 9) -> float:
+        z = (row * columns + column + seed * golden + golden) & mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        return ((z ^ (z >> 31)) >> 40) / (1 << 24)
+
+    for seed in (0, 7):
+        table = NoiseTable.seeded(seed, length=50_000, columns=9)
+        for start in (0, 12_345, 49_997):
+            want = [[value(seed, (start + r) % 50_000, c) for c in range(9)] for r in range(6)]
+            np.testing.assert_array_equal(table.rows(start, 6), np.array(want, np.float32), err_msg=str(start))
+
+
 @pytest.mark.parametrize("shape", [(100, 9), (1, 100, 9)])
 def test_npy_noise_table(tmp_path, shape):
     data = np.random.default_rng(0).random(shape, dtype=np.float32)
