@@ -241,8 +241,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"hift-serve: error: {exc}", file=sys.stderr)
         return 2
     shared_libpython_env()
-    # Many threads hand work to each other here (Triton's proxy, one per stream of a batch, the batcher, the device
-    # thread): a short GIL switch interval keeps each hand-off from waiting up to Python's default 5 ms.
+    # Several threads hand work to each other here (PyTriton's proxy, the stream table's event loop, the push
+    # scheduler, the device thread): a short GIL switch interval keeps each hand-off from waiting up to Python's
+    # default 5 ms.
     sys.setswitchinterval(0.0005)
     logging.getLogger("pytriton").setLevel(logging.WARNING)
     log_file = Path(args.triton_log or Path(tempfile.gettempdir()) / f"hift-serve-{os.getpid()}.triton.log")
