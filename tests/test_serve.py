@@ -77,6 +77,31 @@ def test_table_keeps_each_streams_order_within_one_batch(vocoder):
     table.close()
 
 
+def test_batches_served_at_once_take_a_streams_requests_one_at_a_time(vocoder):
+    """Two Triton instances can hand the table batches with requests of the same stream at once: they wait for each
+    other (never refused as overlapping calls) and the stream emits every frame exactly once."""
+    rng = np.random.default_rng(5)
+    table = StreamTable(vocoder, workers=4)
+    mel = _mel(rng, 8 * 20)
+    first = table.handle([ChunkRequest("a", mel[:, :8], start=True)])[0]
+    assert first.error == ""
+    chunks = _chunks(mel[:, 8:], 8)
+    barrier = threading.Barrier(2)
+
+    def sender(part):
+        barrier.wait()
+        return [table.handle([ChunkRequest("a", c)])[0] for c in part]
+
+    replies = run_in_threads(sender, [chunks[0::2], chunks[1::2]])
+    assert all(r.error == "" for rs in replies for r in rs), [r.error for rs in replies for r in rs]
+    tail = table.handle([ChunkRequest("a", mel[:, :0], end=True)])[0]
+    assert tail.error == ""
+    total = first.audio.size + sum(r.audio.size for rs in replies for r in rs) + tail.audio.size
+    assert total == mel.shape[1] * 480  # every frame's audio exactly once
+    assert table.open_streams == 0
+    table.close()
+
+
 def test_table_refuses_starts_over_the_limit_and_a_refused_first_chunk_opens_nothing(vocoder):
     table = StreamTable(vocoder, workers=8)
     mel = np.full((80, 3), -4.0, np.float32)
