@@ -72,9 +72,7 @@ def reduced_config():
 
 
 _EXPORTS: dict[str, tuple[Path, object]] = {}
-# The full-size export's tests read its ONNX graphs only: its TorchScript and folded weights (~10 s on 2 cores) are
-# left out; the reduced export writes every format.
-_EXPORT_ARGS = {"small": ["--reduced"], "full": ["--checkpoint", str(CHECKPOINT), "--formats", "onnx"]}
+_EXPORT_ARGS = {"small": ["--reduced"], "full": ["--checkpoint", str(CHECKPOINT)]}
 
 
 def pytest_collection_finish(session) -> None:
@@ -130,7 +128,7 @@ def small_hift(reduced_config):
 
 @pytest.fixture(scope="session")
 def full_artifacts():
-    """The fixture checkpoint exported at full size (ONNX only)."""
+    """The fixture checkpoint exported at full size (every format: its TorchScript and manifest are tested too)."""
     import shutil
 
     if not CHECKPOINT.is_file():
