@@ -58,14 +58,14 @@ class _Served:
     """``hift-serve`` in a child process and a few shared gRPC clients (a channel serves many threads)."""
 
     def __init__(self, artifacts: str, device: str, max_batch: int, wait_ms: float, log: Path,
-                 instances: int = 1) -> None:
+                 instances: int = 1, engine: str = "ort", precision: str = "fp32") -> None:
         import socket
         import sys
 
         from hift_runtime.client import ServerClient
 
         ports = []
-        for _ in range(3):
+        for _ in range(4):
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 ports.append(s.getsockname()[1])
@@ -73,11 +73,13 @@ class _Served:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "hift_runtime.server", "--artifacts", artifacts, "--device", device,
              "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
-             "--max-batch", str(max_batch), "--max-wait-ms", str(wait_ms), "--instances", str(instances)],
+             "--max-batch", str(max_batch), "--max-wait-ms", str(wait_ms), "--instances", str(instances),
+             "--engine", engine, "--precision", precision, "--state-metrics-port", str(ports[3])],
             stdout=log.open("w"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 300
-        while "ready" not in log.read_text():
+        while "' ready (" not in log.read_text():  # hift-serve's "model 'hift' ready (...)" line
             if self.process.poll() is not None or time.monotonic() > deadline:
+                self.process.terminate()  # not left holding its ports
                 raise RuntimeError("hift-serve did not start: " + log.read_text()[-2000:])
             time.sleep(0.5)
         self.metrics_url = f"http://127.0.0.1:{ports[2]}/metrics"
@@ -100,6 +102,12 @@ class _Served:
                 "queue_us": get("nv_inference_queue_duration_us"),
                 "compute_us": get("nv_inference_compute_infer_duration_us")}
 
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+        self.process.terminate()
+        self.process.wait(timeout=60)
+
 
 def triton_this_run(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """What Triton's counters say of one run: the batches it formed and the time a request waited in its queue."""
@@ -108,12 +116,6 @@ def triton_this_run(before: dict[str, float], after: dict[str, float]) -> dict[s
             "mean_batch": round(d["requests"] / d["executions"], 2) if d["executions"] else 0.0,
             "mean_queue_ms": round(d["queue_us"] / d["successes"] / 1e3, 3) if d["successes"] else 0.0,
             "mean_compute_ms": round(d["compute_us"] / d["successes"] / 1e3, 3) if d["successes"] else 0.0}
-
-    def close(self) -> None:
-        for c in self.clients:
-            c.close()
-        self.process.terminate()
-        self.process.wait(timeout=60)
 
 
 def _counters(vocoder) -> dict[str, list[float]] | None:
@@ -295,7 +297,7 @@ def main() -> None:
     p.add_argument("--configs", default="batched,batched_tf32,per_stream")
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (to try the script)")
     p.add_argument("--engine", default="ort", choices=["ort", "compiled"],
-                   help="engine of the in-process configs (batched, per_stream; default ort)")
+                   help="engine of the in-process configs (batched, per_stream) and of the served one (default ort)")
     p.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "fp16"],
                    help="precision of the in-process configs (batched_tf32 is ort at tf32)")
     p.add_argument("--gpus", type=gpu_ids, default=None,
@@ -345,7 +347,8 @@ def main() -> None:
         t0 = time.perf_counter()
         if name == "served":
             vocoder = _Served(args.artifacts, args.device, args.served_max_batch, args.served_wait_ms,
-                              Path(args.out).with_suffix(".served.log"), args.served_instances)
+                              Path(args.out).with_suffix(".served.log"), args.served_instances, args.engine,
+                              args.precision)
         elif name.startswith("modelled"):  # the scheduler over a modelled H200 (host_path.ModelledDevice), any host
             from host_path import InstantDevice, ModelledDevice, modelled_vocoder
 
@@ -379,20 +382,24 @@ def main() -> None:
         rows: list[dict[str, Any]] = []
         result["configs"][name] = {"open_and_warmup_s": round(time.perf_counter() - t0, 1),
                                    "warm_stream_s": warm_stream_s, "parity_max_abs_vs_cpu": parity,
-                                   "engine": getattr(getattr(vocoder, "backend", None), "name", "served"),
+                                   "engine": (f"hift-serve --engine {args.engine} --precision {args.precision}"
+                                              if name == "served" else
+                                              getattr(getattr(vocoder, "backend", None), "name", name)),
                                    "gpu_memory_after_warmup_mb": gpu_memory_mb(), "runs": rows}
-        for k in ks:
-            row = run_k(vocoder, k, args.seconds, args.clients)
-            rows.append(row)
-            print(name, json.dumps(row), flush=True)
-            Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-            # A miss does not end the ramp: a batching runtime can keep up better at larger K (bigger batches). A
-            # collapse (p95 past 10x the bound) or an error does.
-            if row["push_p95_ms"] > 10 * P95_BOUND_MS or row["errors"]:
-                break
+        try:
+            for k in ks:
+                row = run_k(vocoder, k, args.seconds, args.clients)
+                rows.append(row)
+                print(name, json.dumps(row), flush=True)
+                Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+                # A miss does not end the ramp: a batching runtime can keep up better at larger K (bigger batches).
+                # A collapse (p95 past 10x the bound) or an error does.
+                if row["push_p95_ms"] > 10 * P95_BOUND_MS or row["errors"]:
+                    break
+        finally:  # a served config's server never outlives the script
+            vocoder.close()
         kept = [r["k"] for r in rows if r["push_p95_ms"] <= P95_BOUND_MS and not r["errors"]]
         result["configs"][name]["max_realtime_streams_at_p95_bound"] = max(kept, default=0)
-        vocoder.close()
         del vocoder
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     plot(result, Path(args.out).with_suffix(".png"))
