@@ -35,7 +35,7 @@ import torch
 from .manifest import FOLDED_WEIGHTS, ArtifactError, Manifest
 from .noise import NoiseTable
 from .sessions import OFFLINE_SLOTS, PRECISIONS
-from .slots import Slot, SlotRows
+from .slots import SlotRows
 from .streaming import StreamConstants
 
 log = logging.getLogger("hift_runtime")
