@@ -42,7 +42,7 @@ class InstantDevice:
     def _zeros(self, rows: int, columns: int) -> np.ndarray:
         buffer = self._buffers.get((rows, columns))
         if buffer is None:
-            buffer = self._buffers[(rows, columns)] = np.ones((rows, columns), np.float32) * 0
+            buffer = self._buffers[(rows, columns)] = np.full((rows, columns), 0.0, np.float32)  # written
         return buffer
 
     def new_caches(self, kind: str, batch: int = 1) -> Any:

@@ -138,29 +138,32 @@ def run_k(vocoder, k: int, seconds: float, clients: str = "threads") -> dict[str
     lock = threading.Lock()
     start = time.monotonic() + 0.3
 
+    def record(took: list[float]) -> None:
+        """One stream's push latencies: its first push's apart (the first-chunk latency), the rest by index."""
+        with lock:
+            first.append(took[0])
+            lat.extend(took[1:])
+            for j, t in enumerate(took[1:], start=1):
+                by_index.setdefault(j, []).append(t)
+
+    def failed(exc: Exception) -> None:
+        with lock:
+            errors.append(f"{type(exc).__name__}: {exc}"[:200])
+
     def stream(i: int) -> None:
         t0 = start + PERIOD_S * i / k  # arrivals spread over one chunk period
         try:
             time.sleep(max(0.0, t0 - time.monotonic()))
             s = vocoder.stream(i) if isinstance(vocoder, _Served) else _LocalStream(vocoder)
-            mine, head = [], None
+            took = []
             for j, pos in enumerate(range(0, frames, CHUNK)):
                 due = t0 + j * PERIOD_S
                 time.sleep(max(0.0, due - time.monotonic()))
                 s.push(mel[:, pos:pos + CHUNK], end=pos + CHUNK >= frames)  # the last push ends the stream
-                took = time.monotonic() - due
-                if j == 0:
-                    head = took
-                else:
-                    mine.append(took)
-            with lock:
-                lat.extend(mine)
-                for j, took in enumerate(mine, start=1):
-                    by_index.setdefault(j, []).append(took)
-                first.append(head)
+                took.append(time.monotonic() - due)
+            record(took)
         except Exception as exc:  # noqa: BLE001 - counted and reported
-            with lock:
-                errors.append(f"{type(exc).__name__}: {exc}"[:200])
+            failed(exc)
 
     async def astream(i: int) -> None:  # the same stream as a task of one event loop (apush / afinish)
         import asyncio
@@ -169,25 +172,16 @@ def run_k(vocoder, k: int, seconds: float, clients: str = "threads") -> dict[str
         try:
             await asyncio.sleep(max(0.0, t0 - time.monotonic()))
             s = vocoder.stream()
-            mine, head = [], None
+            took = []
             for j, pos in enumerate(range(0, frames, CHUNK)):
                 due = t0 + j * PERIOD_S
                 await asyncio.sleep(max(0.0, due - time.monotonic()))
                 chunk = mel[:, pos:pos + CHUNK]
                 await (s.afinish(chunk) if pos + CHUNK >= frames else s.apush(chunk))
-                took = time.monotonic() - due
-                if j == 0:
-                    head = took
-                else:
-                    mine.append(took)
-            with lock:
-                lat.extend(mine)
-                for j, took in enumerate(mine, start=1):
-                    by_index.setdefault(j, []).append(took)
-                first.append(head)
+                took.append(time.monotonic() - due)
+            record(took)
         except Exception as exc:  # noqa: BLE001 - counted and reported
-            with lock:
-                errors.append(f"{type(exc).__name__}: {exc}"[:200])
+            failed(exc)
 
     if clients == "asyncio" and not isinstance(vocoder, _Served):
         import asyncio

@@ -139,11 +139,11 @@ class PushScheduler:
         return push
 
     async def arun(self, steps: Generator[StepCall, Any, np.ndarray],
-                   on_cancelled: Callable[[BaseException | None], None] | None = None) -> np.ndarray:
+                   on_cancelled: Callable[[BaseException], None] | None = None) -> np.ndarray:
         """:meth:`run` for asyncio: no thread per push. The scheduler thread tells the event loop of settled pushes in
         bulk (one loop wake-up for every push a batched call settles). Cancelling the awaiting task cancels the
         push; the cancellation goes on only once the push has settled (a retry cannot overlap it), after
-        ``on_cancelled(how it settled: its error, or None if it ran to its end)``."""
+        ``on_cancelled(its error)`` if it stopped or failed rather than running to its end."""
         import asyncio
 
         loop = asyncio.get_running_loop()
@@ -159,13 +159,10 @@ class PushScheduler:
                     await asyncio.wait([settled])
                 except asyncio.CancelledError:
                     pass
-            if on_cancelled is not None:
+            if on_cancelled is not None and push.error is not None:
                 on_cancelled(push.error)
             raise
-        if push.error is not None:
-            raise push.error
-        assert push.result is not None
-        return push.result
+        return _outcome(push)
 
     def _waker(self, loop: Any) -> "_LoopWaker":
         with self._cv:
@@ -193,10 +190,7 @@ class PushScheduler:
             self._cancel(push)
             _wait_settled(push.done)
             raise
-        if push.error is not None:
-            raise push.error
-        assert push.result is not None
-        return push.result
+        return _outcome(push)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop: every push still waiting fails at once with :class:`SchedulerClosed`; a call on the device is
@@ -392,6 +386,14 @@ class _LoopWaker:
         for future in futures:
             if not future.done():
                 future.set_result(None)
+
+
+def _outcome(push: _Push) -> np.ndarray:
+    """A settled push's result, or its error raised."""
+    if push.error is not None:
+        raise push.error
+    assert push.result is not None
+    return push.result
 
 
 def _wait_settled(done: threading.Event) -> None:

@@ -187,26 +187,28 @@ class CompiledBackend:
         the CPU on 3 s streams and 66 dB on a 20 s stream (the error grew with the phase)."""
         return self.generator.m_source(f0, self._noise(start, f0.shape[1]), phase_in)
 
-    def _rest(self, mel: torch.Tensor, source: torch.Tensor, cum: torch.Tensor, phase_in: torch.Tensor,
-              first: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The stream step after its source (what is compiled): reads and writes the slots' cache rows."""
+    def _after_source(self, final: bool, mel: torch.Tensor, source: torch.Tensor, cum: torch.Tensor,
+                      phase_in: torch.Tensor, first: torch.Tensor, slots: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step after its source (what is compiled): reads the slots' cache rows; a stream step writes them
+        back (the final step leaves them: the stream ends)."""
         from hift_export.step import generator_step
 
         caches = self._caches(slots, first)
-        audio, phase, new = generator_step(self.generator, mel, None, None, phase_in, first, caches, False,
+        audio, phase, new = generator_step(self.generator, mel, None, None, phase_in, first, caches, final,
                                            self._trunk_dtype, source=(source, cum))
-        flat = torch.cat([new[name].reshape(mel.shape[0], -1).float() for name in self._names], dim=1)
-        self.pool.index_copy_(0, slots, flat)
+        if not final:
+            flat = torch.cat([new[name].reshape(mel.shape[0], -1).float() for name in self._names], dim=1)
+            self.pool.index_copy_(0, slots, flat)
         return audio, phase
+
+    def _rest(self, mel: torch.Tensor, source: torch.Tensor, cum: torch.Tensor, phase_in: torch.Tensor,
+              first: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._after_source(False, mel, source, cum, phase_in, first, slots)
 
     def _final_rest(self, mel: torch.Tensor, source: torch.Tensor, cum: torch.Tensor, phase_in: torch.Tensor,
                     first: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        from hift_export.step import generator_step
-
-        caches = self._caches(slots, first)
-        audio, phase, _ = generator_step(self.generator, mel, None, None, phase_in, first, caches, True,
-                                         self._trunk_dtype, source=(source, cum))
-        return audio, phase
+        return self._after_source(True, mel, source, cum, phase_in, first, slots)
 
     def _step(self, mel: torch.Tensor, f0: torch.Tensor, start: torch.Tensor, phase_in: torch.Tensor,
               first: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,6 +15,7 @@ Two sources:
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections import OrderedDict
@@ -46,17 +47,11 @@ _BLOCK_ROWS = 1 << 13
 _CACHED_BLOCKS = 256  # 256 blocks x 8192 rows x 9 columns float32 = 75 MB at most
 
 
-_COUNTERS: dict[int, np.ndarray] = {}
-
-
+@functools.lru_cache(maxsize=4)
 def _counters(size: int) -> np.ndarray:
-    """``arange(size)`` as uint64, kept for the block size (read-only)."""
-    counters = _COUNTERS.get(size)
-    if counters is None:
-        counters = np.arange(size, dtype=np.uint64)
-        counters.flags.writeable = False
-        if len(_COUNTERS) < 4:
-            _COUNTERS[size] = counters
+    """``arange(size)`` as uint64, kept for the few sizes hashed (the block size; read-only)."""
+    counters = np.arange(size, dtype=np.uint64)
+    counters.flags.writeable = False
     return counters
 
 

@@ -515,9 +515,9 @@ class VocoderStream:
                 return np.zeros(0, np.float32)
             with self._v._pushing():
                 try:
-                    out = await scheduler.arun(self._steps(chunk, final), on_cancelled=self._push_cancelled)
+                    out = await scheduler.arun(self._steps(chunk, final), on_cancelled=self._push_failed)
                 except asyncio.CancelledError:
-                    raise  # handled by _push_cancelled once the push settled
+                    raise  # told to _push_failed (by arun) once the push settled, unless it completed
                 except BaseException as exc:
                     self._push_failed(exc)
                     raise
@@ -545,8 +545,7 @@ class VocoderStream:
     def _accept(self, name: str, mel: Any, final: bool) -> np.ndarray | None:
         """The call's chunk, validated (a refusal raises here, before anything changes); None: nothing to do."""
         if final and self._closed_as == "finished":
-            raise StreamError(f"{'afinish()' if name.startswith('a') else 'finish()'} called twice: the stream is "
-                              f"already closed")
+            raise StreamError(f"{name} called twice: the stream is already closed")
         self._check_open(name)
         if mel is None:
             chunk, lo, hi = np.zeros((self._c.in_channels, 0), np.float32), 0.0, 0.0
@@ -611,11 +610,6 @@ class VocoderStream:
         except BaseException as exc:
             self._push_failed(exc)
             raise
-
-    def _push_cancelled(self, error: BaseException | None) -> None:
-        """An async push whose task was cancelled has settled: it ran to its end (committed) or stopped."""
-        if error is not None:
-            self._push_failed(error)
 
     def _push_failed(self, exc: BaseException) -> None:
         """After a push that did not complete: a cancelled one changed nothing; one that failed after it wrote
