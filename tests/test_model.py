@@ -280,3 +280,37 @@ def test_legacy_and_parametrized_weight_norm_give_identical_outputs(reduced_conf
     noise = torch.rand(480 * 12, 9, generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         assert torch.equal(a.inference(mel, noise)[0], b.inference(mel, noise)[0])
+
+
+class _CudaScalarDivision(torch.overrides.TorchFunctionMode):
+    """Division by a Python number as eager CUDA computes it: a multiply by the number's float32 reciprocal."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in ("div", "__truediv__", "true_divide") and not kwargs and \
+                isinstance(args[1], (int, float)) and args[0].dtype == torch.float32:
+            return args[0] * torch.tensor(1.0 / args[1], dtype=torch.float32)
+        return func(*args, **kwargs)
+
+
+def test_the_source_phase_rounds_alike_where_division_by_a_number_is_a_reciprocal_multiply(reduced_config):
+    """The excitation's running phase sum is rounded to float32 and multiplied by 2*pi*480 (upstream's order), so a
+    one-ulp change of one frame's ``f0*h/sr`` moves every later phase: dividing by the sample rate as a Python number
+    on the H200 (eager CUDA multiplies by the reciprocal) put the GPU's source 57 dB and a 20 s stream 66 dB from the
+    CPU's. The module divides by a tensor, which every device divides exactly; here the CUDA rule is emulated."""
+    from hift_export.source import HarmonicSource
+
+    source = HarmonicSource(reduced_config)
+    f0 = torch.linspace(80.0, 420.0, 1000, dtype=torch.float32).reshape(1, -1)
+    noise = torch.zeros(1, 1000 * reduced_config.samples_per_frame, reduced_config.num_sines)
+    phase_in = torch.zeros(1, reduced_config.num_sines, dtype=torch.float64)
+    with torch.inference_mode():
+        want, cum = source(f0, noise, phase_in)
+        with _CudaScalarDivision():
+            got, cum_cuda_rule = source(f0, noise, phase_in)
+            # The hazard is real for these F0s: the reciprocal multiply rounds some of them differently.
+            moved = f0.unsqueeze(-1) * source.harmonics / float(reduced_config.sampling_rate)
+    assert torch.equal(cum, cum_cuda_rule) and torch.equal(want, got)
+    exact = f0.unsqueeze(-1) * source.harmonics / source.rate
+    assert not torch.equal(moved, exact)
+    assert "rate" not in source.state_dict()  # a constant of the config, not a weight
