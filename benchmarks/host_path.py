@@ -101,14 +101,14 @@ class ModelledDevice(InstantDevice):
         return super().generator_step(mel, f0, noise, phase_in, first, caches, final)
 
 
-def modelled_vocoder(constants, device: InstantDevice, batched: bool):
+def modelled_vocoder(constants, device: InstantDevice, batched: bool, max_wait_s: float = 0.003):
     """A vocoder over a stand-in device, with the scheduler ``open_vocoder`` gives the GPU."""
     from hift_runtime.batching import PushScheduler
     from hift_runtime.streaming import StreamingVocoder
 
     vocoder = StreamingVocoder(device, constants, step_sizes=(24, 16, 8, 4, 2, 1))
     if batched:
-        vocoder.scheduler = PushScheduler(device, max_batch=256, max_wait_s=0.003,
+        vocoder.scheduler = PushScheduler(device, max_batch=256, max_wait_s=max_wait_s,
                                           pushes_in_progress=lambda: vocoder.pushes_in_progress)
     return vocoder
 

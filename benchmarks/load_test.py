@@ -58,7 +58,10 @@ class _Served:
     """``hift-serve`` in a child process and a few shared gRPC clients (a channel serves many threads)."""
 
     def __init__(self, artifacts: str, device: str, max_batch: int, wait_ms: float, log: Path,
-                 instances: int = 1, engine: str = "ort", precision: str = "fp32") -> None:
+                 instances: int = 1, engine: str = "ort", precision: str = "fp32",
+                 stand_in: list[str] | None = None, frontend: str = "pytriton") -> None:
+        """``stand_in``: options of ``modelled_server.py`` (hift-serve over a stand-in device) instead of the real
+        server over the export's engine."""
         import socket
         import sys
 
@@ -71,10 +74,12 @@ class _Served:
                 ports.append(s.getsockname()[1])
         self.log = log
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "hift_runtime.server", "--artifacts", artifacts, "--device", device,
+            [sys.executable, *([str(Path(__file__).with_name("modelled_server.py")), *stand_in, "--"] if stand_in
+                               else ["-m", "hift_runtime.server"]), "--artifacts", artifacts, "--device", device,
              "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
              "--max-batch", str(max_batch), "--max-wait-ms", str(wait_ms), "--instances", str(instances),
-             "--engine", engine, "--precision", precision, "--state-metrics-port", str(ports[3])],
+             "--engine", engine, "--precision", precision, "--state-metrics-port", str(ports[3]),
+             "--frontend", frontend],
             stdout=log.open("w"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 300
         while "' ready (" not in log.read_text():  # hift-serve's "model 'hift' ready (...)" line
@@ -305,7 +310,14 @@ def main() -> None:
     p.add_argument("--slots", type=int, default=None, help="device cache slots (CudaOptions.slots)")
     p.add_argument("--served-max-batch", type=int, default=256, help="hift-serve --max-batch (served config)")
     p.add_argument("--served-instances", type=int, default=1, help="hift-serve --instances (served config)")
-    p.add_argument("--served-wait-ms", type=float, default=2.0, help="hift-serve --max-wait-ms (served config)")
+    p.add_argument("--served-wait-ms", type=float, default=2.0,
+                   help="hift-serve --max-wait-ms (served config; also the modelled configs' step batcher wait)")
+    p.add_argument("--served-frontend", choices=["pytriton", "python-backend"], default="pytriton",
+                   help="hift-serve --frontend (served config)")
+    p.add_argument("--served-device-model", choices=["instant", "modelled"],
+                   help="the served config over a stand-in device (modelled_server.py), any host: its host cost")
+    p.add_argument("--step-ms", help="FIXED,PER_ROW,F0,FINAL ms of the modelled device (modelled configs, "
+                                     "--served-device-model modelled); default: the ORT engine's H200 figures")
     args = p.parse_args()
     if args.plot_only:
         results = {Path(path): json.loads(Path(path).read_text()) for path in args.plot_only}
@@ -340,19 +352,23 @@ def main() -> None:
     for name in args.configs.split(","):
         t0 = time.perf_counter()
         if name == "served":
+            stand_in = None if not args.served_device_model else [
+                "--device-model", args.served_device_model, *(["--step-ms", args.step_ms] if args.step_ms else [])]
             vocoder = _Served(args.artifacts, args.device, args.served_max_batch, args.served_wait_ms,
                               Path(args.out).with_suffix(".served.log"), args.served_instances, args.engine,
-                              args.precision)
+                              args.precision, stand_in, args.served_frontend)
         elif name.startswith("modelled"):  # the scheduler over a modelled H200 (host_path.ModelledDevice), any host
-            from host_path import InstantDevice, ModelledDevice, modelled_vocoder
+            from host_path import modelled_vocoder
 
             from hift_runtime.manifest import read_manifest
             from hift_runtime.streaming import StreamConstants
 
             manifest = read_manifest(args.artifacts, verify=None)
             constants = StreamConstants.from_manifest(manifest.config, manifest.step)
-            device = InstantDevice(constants) if name == "modelled_instant" else ModelledDevice(constants)
-            vocoder = modelled_vocoder(constants, device, batched=True)
+            from modelled_server import stand_in_device
+
+            device = stand_in_device(constants, "instant" if name == "modelled_instant" else "modelled", args.step_ms)
+            vocoder = modelled_vocoder(constants, device, batched=True, max_wait_s=args.served_wait_ms / 1e3)
         else:
             options = {"batched": (CudaOptions(), True), "batched_tf32": (CudaOptions(use_tf32=True), True),
                        "per_stream": (CudaOptions(), False),
@@ -376,7 +392,7 @@ def main() -> None:
         rows: list[dict[str, Any]] = []
         result["configs"][name] = {"open_and_warmup_s": round(time.perf_counter() - t0, 1),
                                    "warm_stream_s": warm_stream_s, "parity_max_abs_vs_cpu": parity,
-                                   "engine": (f"hift-serve --engine {args.engine} --precision {args.precision}"
+                                   "engine": (f"hift-serve --frontend {args.served_frontend} --engine {args.engine} --precision {args.precision}"
                                               if name == "served" else
                                               getattr(getattr(vocoder, "backend", None), "name", name)),
                                    "gpu_memory_after_warmup_mb": gpu_memory_mb(), "runs": rows}

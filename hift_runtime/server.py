@@ -88,6 +88,11 @@ def shared_libpython_env() -> None:
             os.environ["LD_LIBRARY_PATH"] = os.pathsep.join([libdir, *paths])
 
 
+# ``--frontend python-backend``: the function Triton's Python-backend model opens the runtime with (None: the
+# module's default, this module's open_table); benchmarks/modelled_server.py names a stand-in device's.
+PYTHON_BACKEND_OPENER: str | None = None
+
+
 def _parser() -> argparse.ArgumentParser:
     p = OneLineArgumentParser(prog="hift-serve", description="Serve the streaming vocoder on Triton Inference Server "
                                                              "(HTTP, gRPC, metrics) through PyTriton.")
@@ -116,7 +121,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-wait-ms", type=float, default=2.0,
                    help="how long Triton's batcher and the step batcher wait for more streams (default 2 ms)")
     p.add_argument("--instances", type=int, default=1,
-                   help="model instances: Triton batches executed at once (default 1)")
+                   help="model instances: Triton batches executed at once (default 1; pytriton front end only)")
+    p.add_argument("--frontend", choices=["pytriton", "python-backend"], default="pytriton",
+                   help="pytriton (default): Triton through PyTriton's proxy; python-backend: the runtime inside "
+                        "Triton's own Python backend (a generated model repository), without PyTriton's process "
+                        "hop, which capped the served path near 300 requests/s (BENCHMARKS.md)")
     p.add_argument("--max-streams", type=int, default=None,
                    help="open streams at most; a start beyond it is refused with an overload message (default: what "
                         "the device holds: its cache slots on the GPU, a quarter of the free memory on the CPU)")
@@ -217,6 +226,7 @@ class _ConsoleWhileStopping:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     if (args.max_batch < 1 or args.max_wait_ms < 0 or args.instances < 1 or args.max_chunk_frames < 1
             or (args.max_streams is not None and args.max_streams < 1)):
@@ -235,6 +245,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if busy:
         print(f"hift-serve: error: {busy}", file=sys.stderr)
         return 2
+    if args.frontend == "python-backend":
+        return serve_python_backend(args, argv, PYTHON_BACKEND_OPENER)
     try:
         vocoder, table = open_table(args)
     except (ArtifactError, NoiseTableError, OSError, ValueError) as exc:
@@ -288,6 +300,70 @@ def main(argv: Sequence[str] | None = None) -> int:
         table.close()
         vocoder.close()
         console.restore()
+    print("hift-serve: stopped", flush=True)
+    return 0
+
+
+def serve_python_backend(args: argparse.Namespace, argv: list[str], opener: str | None = None) -> int:
+    """``--frontend python-backend``: ``tritonserver`` over a generated repository whose Python-backend model runs
+    the runtime (:mod:`.triton_python`); this process supervises it: the ready line once the model answers ready,
+    SIGTERM/Ctrl-C passed on, the exit status."""
+    import shutil
+    import subprocess
+    import time
+
+    from .manifest import read_manifest
+    from .triton_python import OPENER, launch
+
+    opener = opener or OPENER
+
+    try:  # the export's errors said here, in one line, before Triton starts
+        manifest = read_manifest(args.artifacts, verify=None)
+        in_channels = int(manifest.config["in_channels"])
+    except (ArtifactError, OSError, KeyError, ValueError) as exc:
+        print(f"hift-serve: error: {exc}", file=sys.stderr)
+        return 2
+    folder = Path(tempfile.mkdtemp(prefix="hift-serve-"))
+    log_file = Path(args.triton_log or folder / "triton.log")
+    stopping: list[int] = []
+    handlers = {sig: signal.signal(sig, lambda signum, _frame: stopping.append(signum))
+                for sig in (signal.SIGTERM, signal.SIGINT)}
+    local = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    http_url = f"http://{f'[{local}]' if ':' in local else local}:{args.http_port}"
+    try:
+        try:
+            process = launch(args, argv, in_channels, folder, log_file, nvidia_driver_present(), opener)
+        except (FileNotFoundError, ImportError, OSError) as exc:
+            print(f"hift-serve: error: cannot start tritonserver: {exc}", file=sys.stderr)
+            return 2
+        announced = False
+        while process.poll() is None and not stopping:
+            if not announced and wait_model_ready(http_url, args.model_name, timeout_s=0.5):
+                print(f"hift-serve: model {args.model_name!r} ready (the runtime inside Triton's Python backend): "
+                      f"gRPC {args.host}:{args.grpc_port}, HTTP {args.host}:{args.http_port}, readiness "
+                      f"{http_url}/v2/models/{args.model_name}/ready, metrics http://{args.host}:{args.metrics_port}"
+                      f"/metrics, server state http://{args.host}:{args.state_metrics_port}/metrics; Triton log "
+                      f"{log_file}", flush=True)
+                announced = True
+            time.sleep(0.2)
+        if process.poll() is None:  # asked to stop: Triton unloads the model (its finalize) and exits
+            process.terminate()
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        elif not stopping:
+            tail = log_file.read_text(errors="replace")[-2000:] if log_file.is_file() else ""
+            print(f"hift-serve: error: tritonserver exited with status {process.returncode}"
+                  f"{' before the model was ready' if not announced else ''}; the end of its log "
+                  f"({log_file}):\n{tail}", file=sys.stderr)
+            return 1
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        if not args.triton_log:
+            shutil.rmtree(folder, ignore_errors=True)
     print("hift-serve: stopped", flush=True)
     return 0
 

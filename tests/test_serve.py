@@ -150,7 +150,8 @@ def server(small_artifacts, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def second_server(small_artifacts, tmp_path_factory):
-    yield from _live_server(small_artifacts, tmp_path_factory, [])
+    # The other front end: the runtime inside Triton's own Python backend (no PyTriton hop).
+    yield from _live_server(small_artifacts, tmp_path_factory, ["--frontend", "python-backend"])
 
 
 def _live_server(small_artifacts, tmp_path_factory, options: list[str]):
@@ -336,6 +337,41 @@ def test_server_stops_cleanly_on_sigterm(server):
     port = int(server["grpc"].rsplit(":", 1)[1])
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", port)) != 0  # nothing listens any more
+
+
+def test_the_python_backend_front_end_streams_exactly_refuses_alone_and_stops_cleanly(second_server, vocoder):
+    """``--frontend python-backend``: the same wire contract, refusals and server metrics with the runtime inside
+    Triton's Python-backend stub; SIGTERM unloads the model and stops tritonserver, its console lines in its log."""
+    from hift_runtime.client import ServerClient
+    from hift_runtime.wire import ServerError
+
+    assert "inside Triton's Python backend" in second_server["log"].read_text()
+    rng = np.random.default_rng(21)
+    mels = [_mel(rng, 30 + 7 * i) for i in range(4)]
+
+    def run(i: int) -> np.ndarray:
+        client = ServerClient(second_server["grpc"] if i % 2 else second_server["http"])
+        stream = client.stream(f"pb-{i}")
+        parts = _chunks(mels[i], 12)
+        audio = np.concatenate([stream.push(p, end=k == len(parts) - 1) for k, p in enumerate(parts)])
+        client.close()
+        return audio
+
+    for i, audio in enumerate(run_in_threads(run, range(4), timeout=300)):
+        assert max_abs(audio, vocoder.vocode(mels[i])) <= SERVED_TOLERANCE, i
+    before = _state(second_server)
+    client = ServerClient(second_server["grpc"])
+    with pytest.raises(ServerError, match="non-finite values"):
+        client.infer("pb-bad", np.full((80, 4), np.nan, np.float32), start=True, end=False)
+    client.close()
+    after = _state(second_server)
+    key = 'hift_requests_refused_total{reason="bad_mel"}'
+    assert after[key] - before.get(key, 0.0) == 1 and after["hift_open_streams"] == 0
+    process = second_server["process"]
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=60) == 0
+    console = second_server["log"].read_text()
+    assert "hift-serve: stopped" in console and "Signal (" not in console
 
 
 def test_an_empty_release_is_reported_as_zero_samples(vocoder):

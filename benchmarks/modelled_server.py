@@ -1,0 +1,63 @@
+"""``hift-serve`` over a stand-in device (``host_path.py``'s instant device, or its modelled H200): what the served
+path costs the host (Triton, PyTriton's proxy hop, the stream table, the scheduler) on any machine, GPU or not.
+Not a product command; ``load_test.py --served-device-model`` starts it as its served config.
+
+    python benchmarks/modelled_server.py --device-model modelled --step-ms 3.3,0.43,0.8,4 -- <hift-serve options>
+
+``--step-ms FIXED,PER_ROW,F0,FINAL``: the modelled device's step time, ``FIXED + PER_ROW x B`` ms for a 24-frame
+generator step of B streams, ``F0`` ms per F0 call, ``FINAL`` ms per final step (default: the ORT engine's figures,
+see ``host_path.ModelledDevice``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from host_path import InstantDevice, ModelledDevice, modelled_vocoder  # same folder
+
+import hift_runtime.server as server
+from hift_runtime.manifest import read_manifest
+from hift_runtime.serving import StreamTable
+from hift_runtime.streaming import StreamConstants
+
+
+def stand_in_device(constants: StreamConstants, model: str, step_ms: str | None) -> InstantDevice:
+    if model == "instant":
+        return InstantDevice(constants)
+    if not step_ms:
+        return ModelledDevice(constants)
+    fixed, per_row, f0, final = (float(x) for x in step_ms.split(","))
+    return ModelledDevice(constants, fixed_ms=fixed, per_row_ms=per_row, f0_ms=f0, final_ms=final)
+
+
+def open_stand_in_table(args: argparse.Namespace) -> tuple[Any, StreamTable]:
+    """hift-serve's ``open_table`` over the stand-in device named by ``HIFT_STAND_IN`` (``MODEL[,STEP_MS]``; set by
+    :func:`main`, inherited by Triton's Python-backend stub when the front end is ``python-backend``)."""
+    model, _, step_ms = os.environ.get("HIFT_STAND_IN", "modelled").partition(";")
+    manifest = read_manifest(args.artifacts, verify=None)
+    constants = StreamConstants.from_manifest(manifest.config, manifest.step)
+    vocoder = modelled_vocoder(constants, stand_in_device(constants, model, step_ms or None), batched=True,
+                               max_wait_s=args.max_wait_ms / 1e3)
+    vocoder.max_streams = args.max_streams or 4096
+    print(f"hift-serve: generator on {vocoder.backend.name} (a stand-in device: benchmarks/modelled_server.py)",
+          flush=True)
+    return vocoder, StreamTable(vocoder, workers=args.max_batch, max_chunk_frames=args.max_chunk_frames)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device-model", choices=["instant", "modelled"], default="modelled")
+    p.add_argument("--step-ms", help="FIXED,PER_ROW,F0,FINAL (ms) of the modelled device")
+    ours, rest = p.parse_known_args()
+    rest = [a for a in rest if a != "--"]
+    os.environ["HIFT_STAND_IN"] = f"{ours.device_model};{ours.step_ms or ''}"
+    server.open_table = open_stand_in_table  # the PyTriton front end opens in this process
+    server.PYTHON_BACKEND_OPENER = "modelled_server:open_stand_in_table"  # the Python backend's stub imports it
+    return server.main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

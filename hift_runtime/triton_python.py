@@ -1,0 +1,175 @@
+"""``hift-serve --frontend python-backend``: the runtime inside Triton's own Python backend, from a model repository
+this module writes, run by the ``tritonserver`` that PyTriton ships. Same wire contract, ports, metrics and refusals
+as the PyTriton front end; one process hop fewer.
+
+Why: PyTriton 0.7.0 carries each request from Triton's Python-backend stub to the ``hift-serve`` process through its
+own shared-memory store, and both ends free every tensor's block with one blocking IPC round trip on their request
+loop (four inputs and four outputs a request here). Profiled under load (``py-spy``, the stub's loop blocked in
+``free_responses_resources`` most of the time), the served path capped near 300 requests/s (148 audio s/s) on the
+H200 host and on a 2-core machine alike, whatever the engine. Here Triton hands the batch to the model in the stub
+process itself: the stream table, the scheduler and the engine live there.
+
+The stub process is started by ``tritonserver``; ``hift-serve`` supervises it (ready line, SIGTERM, exit status).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import wire
+
+# What opens the runtime and its stream table from hift-serve's parsed options (``hift_runtime.server.open_table``).
+OPENER = "hift_runtime.server:open_table"
+
+MODEL_PY = """# Written by hift-serve (hift_runtime.triton_python): Triton's Python backend loads this file.
+import sys
+
+sys.path[:0] = {paths!r}
+from hift_runtime.triton_python import TritonPythonModel  # noqa: E402,F401  (the class Triton looks up)
+"""
+
+
+def _tensor(name: str, dtype: str, dims: list[int], ragged: bool = False) -> str:
+    extra = " allow_ragged_batch: true" if ragged else ""
+    return f'  {{ name: "{name}" data_type: {dtype} dims: {dims}{extra} }}'
+
+
+def model_config(model_name: str, *, in_channels: int, max_batch: int, max_wait_ms: float, argv: list[str],
+                 opener: str = OPENER) -> str:
+    """The model's ``config.pbtxt``: the wire contract's tensors (:mod:`.wire`), Triton's dynamic batcher, one
+    instance (one runtime: its streams' state lives in it), hift-serve's options for the model to open with, and
+    the function that opens it (``module:function``; a benchmark's stand-in device names its own)."""
+    inputs = [_tensor(wire.STREAM_ID, "TYPE_STRING", [1]),
+              _tensor(wire.MEL, "TYPE_FP32", [in_channels, -1], ragged=True),  # chunks of any length in one batch
+              _tensor(wire.START, "TYPE_BOOL", [1]), _tensor(wire.END, "TYPE_BOOL", [1])]
+    outputs = [_tensor(wire.AUDIO, "TYPE_FP32", [-1]), _tensor(wire.SAMPLES, "TYPE_INT64", [1]),
+               _tensor(wire.SAMPLE_RATE, "TYPE_INT32", [1]), _tensor(wire.ERROR, "TYPE_STRING", [1])]
+    return "\n".join([
+        f'name: "{model_name}"', 'backend: "python"', f"max_batch_size: {max_batch}",
+        f"dynamic_batching {{ max_queue_delay_microseconds: {int(max_wait_ms * 1000)} }}",
+        "input [", ",\n".join(inputs), "]", "output [", ",\n".join(outputs), "]",
+        "instance_group [ { count: 1 kind: KIND_CPU } ]",
+        f"parameters {{ key: \"hift_serve_argv\" value: {{ string_value: {json.dumps(json.dumps(argv))} }} }}",
+        f"parameters {{ key: \"hift_serve_opener\" value: {{ string_value: {json.dumps(opener)} }} }}", ""])
+
+
+def write_repository(folder: Path, model_name: str, *, in_channels: int, max_batch: int, max_wait_ms: float,
+                     argv: list[str], opener: str = OPENER) -> Path:
+    """``folder/<model_name>/{config.pbtxt, 1/model.py}``; returns ``folder``."""
+    model = folder / model_name
+    (model / "1").mkdir(parents=True, exist_ok=True)
+    (model / "config.pbtxt").write_text(model_config(model_name, in_channels=in_channels, max_batch=max_batch,
+                                                     max_wait_ms=max_wait_ms, argv=argv, opener=opener))
+    # This interpreter's import path (its venv's site-packages, PYTHONPATH): the stub embeds the same Python but not
+    # necessarily the same environment.
+    package_root = str(Path(__file__).resolve().parent.parent)
+    paths = [package_root, *(p for p in sys.path if p and p != package_root and os.path.isdir(p))]
+    (model / "1" / "model.py").write_text(MODEL_PY.format(paths=paths))
+    return folder
+
+
+def tritonserver_files(folder: Path) -> tuple[Path, Path, Path]:
+    """The ``tritonserver`` binary PyTriton ships, a backends folder holding its Python backend with the stub for
+    this interpreter's Python (written into ``folder``), and its bundled libraries' folder."""
+    import pytriton
+
+    root = Path(pytriton.__file__).resolve().parent / "tritonserver"
+    version = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    stub = root / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise FileNotFoundError(f"PyTriton has no Python-backend stub for Python {version} ({stub}); use "
+                                f"--frontend pytriton or a Python it ships a stub for")
+    backends = folder / "backends"
+    shutil.copytree(root / "backends" / "python", backends / "python", dirs_exist_ok=True)
+    shutil.copy2(stub, backends / "python" / "triton_python_backend_stub")
+    libs = Path(pytriton.__file__).resolve().parent.parent / "nvidia_pytriton.libs"
+    return root / "bin" / "tritonserver", backends, libs
+
+
+def launch(args: Any, argv: list[str], in_channels: int, folder: Path, log_file: Path,
+           allow_gpu_metrics: bool, opener: str = OPENER) -> subprocess.Popen:
+    """Start ``tritonserver`` over a repository written into ``folder``; its own log goes to ``log_file``, and of
+    what it and the model print, hift-serve's lines (warmup progress) to this process's stdout, the rest (Triton's
+    own console lines) to ``log_file`` (:func:`relay_console`)."""
+    binary, backends, libs = tritonserver_files(folder)
+    repository = write_repository(folder / "models", args.model_name, in_channels=in_channels,
+                                  max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, argv=argv, opener=opener)
+    env = dict(os.environ)
+    paths = [sysconfig.get_config_var("LIBDIR") or "", str(libs), env.get("LD_LIBRARY_PATH", "")]
+    env["LD_LIBRARY_PATH"] = ":".join(p for p in paths if p)
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+    env["PYTHONUNBUFFERED"] = "1"
+    cmd = [str(binary), f"--model-repository={repository}", f"--backend-directory={backends}",
+           f"--http-address={args.host}", f"--http-port={args.http_port}", f"--grpc-address={args.host}",
+           f"--grpc-port={args.grpc_port}", f"--metrics-address={args.host}", f"--metrics-port={args.metrics_port}",
+           f"--allow-gpu-metrics={'true' if allow_gpu_metrics else 'false'}", f"--log-file={log_file}",
+           "--exit-on-error=true", "--strict-readiness=true",
+           # The model's warmup (compiling, capturing) can take minutes: Triton must not give up on it.
+           "--backend-config=python,stub-timeout-seconds=3600"]
+    process = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               errors="replace", start_new_session=True)
+    threading.Thread(target=relay_console, args=(process.stdout, log_file), name="tritonserver-console",
+                     daemon=True).start()
+    return process
+
+
+def relay_console(lines: Any, log_file: Path) -> None:
+    """hift-serve's own lines (the model's ``hift-serve: ...``) to stdout, every other line to the Triton log."""
+    for line in lines:
+        if line.startswith("hift-serve"):
+            sys.stdout.write(line)
+            sys.stdout.flush()
+        else:
+            with open(log_file, "a") as log:
+                log.write(line)
+
+
+class TritonPythonModel:
+    """Triton's Python-backend model (the class ``model.py`` exposes): opens the runtime as hift-serve would (its
+    options travel in the config's ``hift_serve_argv``), serves each Triton batch through the stream table."""
+
+    def initialize(self, args: dict[str, str]) -> None:
+        import importlib
+
+        from .server import _parser
+        from .server_metrics import serve_state_metrics
+
+        parameters = json.loads(args["model_config"])["parameters"]
+        options = _parser().parse_args(json.loads(parameters["hift_serve_argv"]["string_value"]))
+        module, function = parameters["hift_serve_opener"]["string_value"].split(":")
+        self.vocoder, self.table = getattr(importlib.import_module(module), function)(options)
+        self.state_metrics = serve_state_metrics(self.table, options.state_metrics_port, options.host)
+        self.rate = np.array([[self.vocoder.constants.sample_rate]], np.int32)
+
+    def execute(self, requests: list[Any]) -> list[Any]:
+        import triton_python_backend_utils as pb  # present inside Triton's Python backend only
+
+        from .server import _request
+
+        chunks = [_request({name: pb.get_input_tensor_by_name(r, name).as_numpy()
+                            for name in (wire.STREAM_ID, wire.MEL, wire.START, wire.END)}) for r in requests]
+        responses = []
+        for reply in self.table.handle(chunks):
+            samples = reply.audio.shape[0]
+            audio = reply.audio if samples else np.zeros(1, np.float32)  # the same reply as the PyTriton front end
+            responses.append(pb.InferenceResponse(output_tensors=[
+                pb.Tensor(wire.AUDIO, np.ascontiguousarray(audio[None], np.float32)),
+                pb.Tensor(wire.SAMPLES, np.array([[samples]], np.int64)),
+                pb.Tensor(wire.SAMPLE_RATE, self.rate),
+                pb.Tensor(wire.ERROR, np.array([[reply.error.encode()]], dtype=object))]))
+        return responses
+
+    def finalize(self) -> None:
+        self.state_metrics.shutdown()
+        self.table.close()
+        self.vocoder.close()
