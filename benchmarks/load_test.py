@@ -91,6 +91,7 @@ class _Served:
                 raise RuntimeError("hift-serve did not start: " + log.read_text()[-2000:])
             time.sleep(0.5)
         self.metrics_url = f"http://127.0.0.1:{ports[2]}/metrics"
+        self.grpc_url = f"127.0.0.1:{ports[1]}"
         self.clients = [ServerClient(f"127.0.0.1:{ports[1]}") for _ in range(16)]
         self.backend = None
 
@@ -134,7 +135,7 @@ def _counters(vocoder) -> dict[str, list[float]] | None:
 
 def run_k(vocoder, k: int, seconds: float, clients: str = "threads") -> dict[str, Any]:
     """``clients``: ``threads`` (a thread per stream, ``push``) or ``asyncio`` (a task per stream on one event loop,
-    ``apush``: no thread per stream; in-process configs only)."""
+    no thread per stream: ``apush`` in-process, :class:`~hift_runtime.client.AsyncServerClient` served)."""
     frames = int(seconds * 50)
     before = _counters(vocoder)
     triton_before = vocoder.batches() if isinstance(vocoder, _Served) else None
@@ -177,29 +178,44 @@ def run_k(vocoder, k: int, seconds: float, clients: str = "threads") -> dict[str
         except Exception as exc:  # noqa: BLE001 - counted and reported
             failed(exc)
 
-    async def astream(i: int) -> None:  # the same stream as a task of one event loop (apush / afinish)
+    async def astream(i: int, aclients: list | None) -> None:
+        """The same stream as a task of one event loop: ``apush``/``afinish`` in-process, or through the server with
+        the asyncio gRPC client (``aclients``)."""
         import asyncio
 
         t0 = start + PERIOD_S * i / k
         try:
             await asyncio.sleep(max(0.0, t0 - time.monotonic()))
-            s = vocoder.stream()
+            if aclients is not None:
+                remote = aclients[i % len(aclients)].stream()
+                push = remote.push
+            else:
+                s = vocoder.stream()
+                push = lambda chunk, end: s.afinish(chunk) if end else s.apush(chunk)  # noqa: E731
             took = []
             for j, pos in enumerate(range(0, frames, CHUNK)):
                 due = t0 + j * PERIOD_S
                 await asyncio.sleep(max(0.0, due - time.monotonic()))
-                chunk = mel[:, pos:pos + CHUNK]
-                await (s.afinish(chunk) if pos + CHUNK >= frames else s.apush(chunk))
+                await push(mel[:, pos:pos + CHUNK], end=pos + CHUNK >= frames)
                 took.append(time.monotonic() - due)
             record(took)
         except Exception as exc:  # noqa: BLE001 - counted and reported
             failed(exc)
 
-    if clients == "asyncio" and not isinstance(vocoder, _Served):
+    if clients == "asyncio":
         import asyncio
 
         async def run_all() -> None:
-            await asyncio.gather(*(astream(i) for i in range(k)))
+            served = isinstance(vocoder, _Served)
+            if served:
+                from hift_runtime.client import AsyncServerClient
+
+                aclients = [AsyncServerClient(vocoder.grpc_url) for _ in range(4)]  # created in the running loop
+            try:
+                await asyncio.gather(*(astream(i, aclients if served else None) for i in range(k)))
+            finally:
+                if served:
+                    await asyncio.gather(*(c.close() for c in aclients))
 
         asyncio.run(run_all())
     else:
@@ -311,7 +327,8 @@ def main() -> None:
                    help="CUDA device ids of the in-process configs, e.g. 0,1: one engine per GPU, streams placed on "
                         "the least-loaded (default: one device)")
     p.add_argument("--clients", default="threads", choices=["threads", "asyncio"],
-                   help="the in-process configs' streams: a thread each (push), or tasks of one event loop (apush)")
+                   help="the streams: a thread each (push), or tasks of one event loop (apush in-process; the asyncio "
+                        "gRPC client, AsyncServerClient, for the served config)")
     p.add_argument("--warm-stream", action="store_true", help="run one stream after warmup() before measuring")
     p.add_argument("--switch-interval-ms", type=float, default=None,
                    help="Python's GIL switch interval during the run (default: Python's 5 ms)")

@@ -3,6 +3,7 @@
 ``ServerClient("localhost:8001")`` speaks gRPC; ``"http://localhost:8000"`` speaks HTTP. One
 :class:`RemoteStream` per utterance; its chunks go one at a time (the server orders each stream's requests, and a
 client waits for each reply), many streams may run from many threads, one client each.
+:class:`AsyncServerClient` does the same for asyncio code (gRPC), many streams as tasks of one loop.
 """
 
 from __future__ import annotations
@@ -70,30 +71,14 @@ class ServerClient:
 
     def infer(self, stream_id: str, mel: np.ndarray, start: bool, end: bool) -> tuple[np.ndarray, int]:
         """One chunk: ``(audio, sample_rate)``; raises :class:`ServerError` with the server's message if refused."""
-        tc = self._tc
-        mel = np.ascontiguousarray(mel, np.float32)
-        if mel.ndim != 2 or mel.shape[0] != self.in_channels or mel.shape[1] < 1:
-            raise ServerError(f"a chunk must be [{self.in_channels}, T] with T >= 1 frames, got {tuple(mel.shape)}")
-        values = {wire.STREAM_ID: np.array([[stream_id.encode()]], dtype=object), wire.MEL: mel[None],
-                  wire.START: np.array([[start]]), wire.END: np.array([[end]])}
-        types = {wire.STREAM_ID: "BYTES", wire.MEL: "FP32", wire.START: "BOOL", wire.END: "BOOL"}
-        inputs = []
-        for name, value in values.items():
-            tensor = tc.InferInput(name, list(value.shape), types[name])
-            tensor.set_data_from_numpy(value)
-            inputs.append(tensor)
+        inputs = request_inputs(self._tc, self.in_channels, stream_id, mel, start, end)
         try:
             # The id also travels as a header, so a load balancer in front of several servers can pin a stream.
             result = self._client.infer(self.model_name, inputs, headers={wire.STREAM_HEADER: stream_id},
                                         **self._timeout())
         except Exception as exc:  # noqa: BLE001 - a transport or Triton error
             raise ServerError(f"{self.url}: {_short(exc)}") from None
-        error = wire.first_value(result.as_numpy(wire.ERROR))
-        if error:
-            raise ServerError(error.decode() if isinstance(error, bytes) else str(error))
-        samples = int(wire.first_value(result.as_numpy(wire.SAMPLES)))
-        rate = int(wire.first_value(result.as_numpy(wire.SAMPLE_RATE)))
-        return result.as_numpy(wire.AUDIO).reshape(-1)[:samples].copy(), rate
+        return reply_audio(result)
 
     def _timeout(self) -> dict[str, Any]:
         """Per-call timeout arguments: gRPC takes one per call; HTTP has its own from construction."""
@@ -144,6 +129,87 @@ class RemoteStream:
         if self._ended:
             raise ServerError(f"stream {self.stream_id!r}: push after end=true; open a new stream")
         audio, self.sample_rate = self.client.infer(self.stream_id, mel, start=not self._started, end=end)
+        self._started = True
+        self._ended = end
+        return audio
+
+
+def request_inputs(tc: Any, in_channels: int, stream_id: str, mel: np.ndarray, start: bool, end: bool) -> list[Any]:
+    """One chunk's request tensors (``tc``: ``tritonclient.grpc`` or ``.http``); a malformed chunk is refused here."""
+    mel = np.ascontiguousarray(mel, np.float32)
+    if mel.ndim != 2 or mel.shape[0] != in_channels or mel.shape[1] < 1:
+        raise ServerError(f"a chunk must be [{in_channels}, T] with T >= 1 frames, got {tuple(mel.shape)}")
+    values = {wire.STREAM_ID: np.array([[stream_id.encode()]], dtype=object), wire.MEL: mel[None],
+              wire.START: np.array([[start]]), wire.END: np.array([[end]])}
+    types = {wire.STREAM_ID: "BYTES", wire.MEL: "FP32", wire.START: "BOOL", wire.END: "BOOL"}
+    inputs = []
+    for name, value in values.items():
+        tensor = tc.InferInput(name, list(value.shape), types[name])
+        tensor.set_data_from_numpy(value)
+        inputs.append(tensor)
+    return inputs
+
+
+def reply_audio(result: Any) -> tuple[np.ndarray, int]:
+    """``(audio, sample_rate)`` of a reply, or :class:`ServerError` with the server's message if it was refused."""
+    error = wire.first_value(result.as_numpy(wire.ERROR))
+    if error:
+        raise ServerError(error.decode() if isinstance(error, bytes) else str(error))
+    samples = int(wire.first_value(result.as_numpy(wire.SAMPLES)))
+    rate = int(wire.first_value(result.as_numpy(wire.SAMPLE_RATE)))
+    return result.as_numpy(wire.AUDIO).reshape(-1)[:samples].copy(), rate
+
+
+class AsyncServerClient:
+    """The gRPC client for asyncio code (``tritonclient.grpc.aio``): ``await client.stream().push(chunk, end=...)``;
+    many streams as tasks of one event loop, no thread each. Create and use it inside the running loop."""
+
+    def __init__(self, url: str, model_name: str = wire.MODEL_NAME, timeout_s: float = 60.0,
+                 in_channels: int | None = None) -> None:
+        scheme, address = _parse_url(url)
+        if scheme != "grpc":
+            raise ServerError(f"server address {url!r}: the asyncio client speaks gRPC (HOST:PORT or grpc://...)")
+        import tritonclient.grpc as tc
+        import tritonclient.grpc.aio as aio
+
+        self.url, self.model_name, self.timeout_s, self._tc = url, model_name, timeout_s, tc
+        self._client = aio.InferenceServerClient(address)
+        self.in_channels = in_channels  # read from the model's metadata at the first chunk when not given
+
+    async def infer(self, stream_id: str, mel: np.ndarray, start: bool, end: bool) -> tuple[np.ndarray, int]:
+        """One chunk, as :meth:`ServerClient.infer`."""
+        try:
+            if self.in_channels is None:
+                meta = await self._client.get_model_metadata(self.model_name, as_json=True)
+                self.in_channels = next(int(i["shape"][-2]) for i in meta["inputs"] if i["name"] == wire.MEL)
+            inputs = request_inputs(self._tc, self.in_channels, stream_id, mel, start, end)
+            result = await self._client.infer(self.model_name, inputs, headers={wire.STREAM_HEADER: stream_id},
+                                              client_timeout=self.timeout_s)
+        except ServerError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a transport or Triton error
+            raise ServerError(f"{self.url}: {_short(exc)}") from None
+        return reply_audio(result)
+
+    def stream(self, stream_id: str | None = None) -> "AsyncRemoteStream":
+        return AsyncRemoteStream(self, stream_id or uuid.uuid4().hex)
+
+    async def close(self) -> None:
+        await self._client.close()
+
+
+class AsyncRemoteStream:
+    """:class:`RemoteStream` for asyncio: ``await push(chunk)``, ``await push(last, end=True)``."""
+
+    def __init__(self, client: AsyncServerClient, stream_id: str) -> None:
+        self.client, self.stream_id = client, stream_id
+        self._started = self._ended = False
+        self.sample_rate: int | None = None
+
+    async def push(self, mel: np.ndarray, end: bool = False) -> np.ndarray:
+        if self._ended:
+            raise ServerError(f"stream {self.stream_id!r}: push after end=true; open a new stream")
+        audio, self.sample_rate = await self.client.infer(self.stream_id, mel, start=not self._started, end=end)
         self._started = True
         self._ended = end
         return audio

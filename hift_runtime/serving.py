@@ -23,7 +23,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -137,6 +137,30 @@ class StreamTable:
             for i, reply in zip(idx, group_replies):
                 replies[i] = reply
         return replies
+
+    def submit(self, requests: Sequence[ChunkRequest], on_reply: Callable[[int, ChunkReply], None]) -> None:
+        """Serve one batch without waiting for it: ``on_reply(i, reply)`` for request ``i``, called from the table's
+        loop thread as soon as its stream's requests of this batch are done (a server that can answer requests one
+        by one takes the next batch meanwhile). Order and refusals as :meth:`handle`."""
+        self._expire_idle()
+        order: dict[str, list[int]] = {}
+        for i, request in enumerate(requests):
+            order.setdefault(request.stream_id, []).append(i)
+        if self._loop.is_closed():
+            raise RuntimeError("the stream table was closed")
+
+        async def serve(idx: list[int]) -> None:
+            for i, reply in zip(idx, await self._serve_in_order([requests[i] for i in idx])):
+                try:
+                    on_reply(i, reply)
+                except Exception:  # noqa: BLE001 - a reply that cannot be sent: that request's loss alone
+                    log.exception("stream %s: the reply could not be sent", shown_id(requests[i].stream_id))
+
+        def start() -> None:  # tasks created in batch order: each stream's lock is taken in the order requests came
+            for idx in order.values():
+                self._loop.create_task(serve(idx))
+
+        self._loop.call_soon_threadsafe(start)
 
     def close(self) -> None:
         """Stop the table's event loop (after the batches in flight) and its threads."""

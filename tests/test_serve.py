@@ -77,6 +77,35 @@ def test_table_keeps_each_streams_order_within_one_batch(vocoder):
     table.close()
 
 
+def test_submitted_batches_answer_each_request_once_in_stream_order(vocoder):
+    """``submit`` (the Python-backend front end's path): returns at once; each request is answered by the callback
+    exactly once, a stream's chunks in order across batches submitted back to back, a refusal alone."""
+    rng = np.random.default_rng(5)
+    mels = {sid: _mel(rng, 30) for sid in ("a", "b")}
+    parts = {sid: _chunks(m, 10) for sid, m in mels.items()}
+    table = StreamTable(vocoder, workers=4)
+    answers: dict[tuple[int, int], object] = {}
+    done = threading.Semaphore(0)
+
+    def on_reply(batch: int):
+        def record(i: int, reply) -> None:
+            answers[(batch, i)] = reply
+            done.release()
+        return record
+
+    batches = [[ChunkRequest(sid, parts[sid][k], start=k == 0, end=k == 2) for sid in ("a", "b")] for k in range(3)]
+    batches[1].append(ChunkRequest("nobody", mels["a"][:, :4]))
+    for n, batch in enumerate(batches):
+        table.submit(batch, on_reply(n))
+    for _ in range(sum(len(b) for b in batches)):
+        assert done.acquire(timeout=120)
+    assert len(answers) == 7 and "unknown stream id" in answers[(1, 2)].error
+    for j, sid in enumerate(("a", "b")):
+        audio = np.concatenate([answers[(n, j)].audio for n in range(3)])
+        assert max_abs(audio, vocoder.vocode(mels[sid])) <= SERVED_TOLERANCE
+    table.close()
+
+
 def test_batches_served_at_once_take_a_streams_requests_one_at_a_time(vocoder):
     """Two Triton instances can hand the table batches with requests of the same stream at once: they wait for each
     other (never refused as overlapping calls) and the stream emits every frame exactly once."""
