@@ -150,6 +150,9 @@ class TritonPythonModel:
         from .server import _parser
         from .server_metrics import serve_state_metrics
 
+        # Threads hand work to each other here too (Triton's stub thread, the table's loop, the scheduler, the device
+        # thread, the replier): a short GIL switch interval, as hift-serve's own process sets.
+        sys.setswitchinterval(0.0005)
         parameters = json.loads(args["model_config"])["parameters"]
         options = _parser().parse_args(json.loads(parameters["hift_serve_argv"]["string_value"]))
         module, function = parameters["hift_serve_opener"]["string_value"].split(":")
