@@ -354,3 +354,38 @@ def test_compiled_streams_match_the_cpu_ep(small_artifacts, compiled_gpu):
 
     gc.collect()
     assert compiled_gpu.backend.slots_in_use == 0
+
+
+# Each precision's bound vs the CPU (issue 20; BENCHMARKS.md, H200 on 2026-12-01/02: tf32 60.8-62.7 dB, fp16
+# 57.7-58.7 dB on 3-20 s streams of the full-size model): a few dB of margin under those figures. This test runs the
+# reduced model, not yet on a GPU (written after the device time ran out): its first GPU run confirms the margin.
+PRECISION_BOUND_DB = {"tf32": 58.0, "fp16": 52.0}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _torch_cuda(), reason="no CUDA device for torch here")
+@pytest.mark.parametrize("precision", sorted(PRECISION_BOUND_DB))
+def test_compiled_faster_precisions_stay_within_their_bounds(small_artifacts, precision):
+    """tf32 and fp16: each stream within its precision's measured distance of the CPU's, finite on inputs across
+    the accepted log-mel range (-30 .. 15), nothing compiled after warmup, every slot returned."""
+    from hift_runtime.compiled import compile_count
+
+    vocoder = open_vocoder(small_artifacts.out, device="cuda", engine="compiled", precision=precision, max_wait_ms=5)
+    vocoder.warmup()
+    try:
+        cpu = open_vocoder(small_artifacts.out, device="cpu")
+        mels = [random_mel(150, seed=40 + i) for i in range(4)]
+        streams = run_in_threads(lambda i: np.concatenate(stream_all(vocoder, mels[i], [24] * 6 + [500])[0]),
+                                 range(4))
+        for mel, audio in zip(mels, streams):
+            assert snr_db(audio, cpu.vocode(mel)) >= PRECISION_BOUND_DB[precision]
+        rng = np.random.default_rng(3)
+        for mel in (rng.uniform(-30, 15, (80, 96)).astype(np.float32), np.full((80, 96), 15.0, np.float32)):
+            assert np.isfinite(np.concatenate(stream_all(vocoder, mel, [24] * 4 + [500])[0])).all()
+        assert compile_count() == vocoder.backend.compiles_at_warmup
+    finally:
+        vocoder.close()
+    import gc
+
+    gc.collect()
+    assert vocoder.backend.slots_in_use == 0
