@@ -313,7 +313,7 @@ def serve_python_backend(args: argparse.Namespace, argv: list[str], opener: str 
     import time
 
     from .manifest import read_manifest
-    from .triton_python import OPENER, launch
+    from .triton_python import OPENER, launch, load_failure
 
     opener = opener or OPENER
 
@@ -326,6 +326,7 @@ def serve_python_backend(args: argparse.Namespace, argv: list[str], opener: str 
     folder = Path(tempfile.mkdtemp(prefix="hift-serve-"))
     log_file = Path(args.triton_log or folder / "triton.log")
     stopping: list[int] = []
+    failed_log: Path | None = None
     handlers = {sig: signal.signal(sig, lambda signum, _frame: stopping.append(signum))
                 for sig in (signal.SIGTERM, signal.SIGINT)}
     local = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
@@ -354,15 +355,23 @@ def serve_python_backend(args: argparse.Namespace, argv: list[str], opener: str 
                 process.kill()
                 process.wait()
         elif not stopping:
-            tail = log_file.read_text(errors="replace")[-2000:] if log_file.is_file() else ""
-            print(f"hift-serve: error: tritonserver exited with status {process.returncode}"
-                  f"{' before the model was ready' if not announced else ''}; the end of its log "
-                  f"({log_file}):\n{tail}", file=sys.stderr)
+            text = log_file.read_text(errors="replace") if log_file.is_file() else ""
+            why = load_failure(text, args.model_name)
+            failed_log = log_file  # kept for the reader
+            if why:  # the model's own message (a bad export, no CUDA, ...): what to fix, in one line
+                print(f"hift-serve: error: {why} (tritonserver's log: {log_file})", file=sys.stderr)
+            else:
+                print(f"hift-serve: error: tritonserver exited with status {process.returncode}"
+                      f"{' before the model was ready' if not announced else ''}; the end of its log "
+                      f"({log_file}):\n{text[-2000:]}", file=sys.stderr)
             return 1
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
-        if not args.triton_log:
+        if failed_log is not None and not args.triton_log:  # the repository goes; the log the message names stays
+            shutil.rmtree(folder / "models", ignore_errors=True)
+            shutil.rmtree(folder / "backends", ignore_errors=True)
+        else:
             shutil.rmtree(folder, ignore_errors=True)
     print("hift-serve: stopped", flush=True)
     return 0

@@ -140,6 +140,17 @@ def relay_console(lines: Any, log_file: Path) -> None:
                 log.write(line)
 
 
+def load_failure(log_text: str, model_name: str) -> str | None:
+    """Why Triton could not load the model, from its log (the model's own exception message, without Triton's
+    prefix and the traceback), or None when the log does not say."""
+    marker = f"failed to load '{model_name}' version 1: "
+    for line in log_text.splitlines():
+        if marker in line:
+            why = line.split(marker, 1)[1].split("\\n\\nAt:", 1)[0].split("\\n", 1)[0].rstrip('"')
+            return why.removeprefix("Internal: ")
+    return None
+
+
 class TritonPythonModel:
     """Triton's Python-backend model (the class ``model.py`` exposes): opens the runtime as hift-serve would (its
     options travel in the config's ``hift_serve_argv``), serves each Triton batch through the stream table."""

@@ -448,3 +448,16 @@ def test_client_errors_are_server_errors_and_http_keeps_its_timeout(monkeypatch)
             ServerClient(url, timeout_s=7.5)
     assert _FakeTritonClient.made[-1] == {"connection_timeout": 7.5, "network_timeout": 7.5}
 
+
+
+def test_a_model_that_fails_to_load_is_said_in_one_line():
+    """The Python-backend front end reads why Triton could not load the model from its log: the runtime's own
+    message, without Triton's prefix or the traceback."""
+    from hift_runtime.triton_python import load_failure
+
+    line = ('E1202 01:18:56.883575 917 model_lifecycle.cc:642] "failed to load \'hift_vocoder\' version 1: Internal: '
+            "ArtifactError: the compiled engine was asked for CUDA, but torch sees no CUDA device; use engine='ort'"
+            '\\n\\nAt:\\n  /x/hift_runtime/compiled.py(132): __init__\\n"')
+    assert load_failure("I... other line\n" + line + "\n", "hift_vocoder") == (
+        "ArtifactError: the compiled engine was asked for CUDA, but torch sees no CUDA device; use engine='ort'")
+    assert load_failure(line, "other_model") is None
