@@ -246,6 +246,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"hift-serve: error: {busy}", file=sys.stderr)
         return 2
     if args.frontend == "python-backend":
+        if args.instances != 1:  # each instance would be a runtime of its own, its streams unknown to the others
+            print("hift-serve: error: --instances is the pytriton front end's; the python-backend front end runs one "
+                  "instance (its batches already pipeline); drop --instances", file=sys.stderr)
+            return 2
         return serve_python_backend(args, argv, PYTHON_BACKEND_OPENER)
     try:
         vocoder, table = open_table(args)

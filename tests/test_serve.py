@@ -461,3 +461,14 @@ def test_a_model_that_fails_to_load_is_said_in_one_line():
     assert load_failure("I... other line\n" + line + "\n", "hift_vocoder") == (
         "ArtifactError: the compiled engine was asked for CUDA, but torch sees no CUDA device; use engine='ort'")
     assert load_failure(line, "other_model") is None
+
+
+def test_instances_with_the_python_backend_front_end_are_refused_in_one_line(tmp_path, capsys):
+    pytest.importorskip("pytriton", reason="hift-serve needs the [serve] extra (nvidia-pytriton)")
+    from hift_runtime import server
+
+    ports = [str(p) for p in _free_ports(4)]
+    code = server.main(["--artifacts", str(tmp_path), "--frontend", "python-backend", "--instances", "2",
+                        "--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2],
+                        "--state-metrics-port", ports[3]])
+    assert code == 2 and "--instances is the pytriton front end's" in capsys.readouterr().err
