@@ -386,17 +386,10 @@ def main() -> None:
                               Path(args.out).with_suffix(".served.log"), args.served_instances, args.engine,
                               args.precision, stand_in, args.served_frontend, args.max_streams)
         elif name.startswith("modelled"):  # the scheduler over a modelled H200 (host_path.ModelledDevice), any host
-            from host_path import modelled_vocoder
+            from modelled_server import stand_in_vocoder
 
-            from hift_runtime.manifest import read_manifest
-            from hift_runtime.streaming import StreamConstants
-
-            manifest = read_manifest(args.artifacts, verify=None)
-            constants = StreamConstants.from_manifest(manifest.config, manifest.step)
-            from modelled_server import stand_in_device
-
-            device = stand_in_device(constants, "instant" if name == "modelled_instant" else "modelled", args.step_ms)
-            vocoder = modelled_vocoder(constants, device, batched=True, max_wait_s=args.served_wait_ms / 1e3)
+            vocoder = stand_in_vocoder(args.artifacts, "instant" if name == "modelled_instant" else "modelled",
+                                       args.step_ms, args.served_wait_ms / 1e3)
         else:
             options = {"batched": (CudaOptions(), True), "batched_tf32": (CudaOptions(use_tf32=True), True),
                        "per_stream": (CudaOptions(), False),

@@ -33,14 +33,18 @@ def stand_in_device(constants: StreamConstants, model: str, step_ms: str | None)
     return ModelledDevice(constants, fixed_ms=fixed, per_row_ms=per_row, f0_ms=f0, final_ms=final)
 
 
+def stand_in_vocoder(artifacts: str, model: str, step_ms: str | None, max_wait_s: float) -> Any:
+    """A batching vocoder with the export's constants over a stand-in device (``model``: instant or modelled)."""
+    manifest = read_manifest(artifacts, verify=None)
+    constants = StreamConstants.from_manifest(manifest.config, manifest.step)
+    return modelled_vocoder(constants, stand_in_device(constants, model, step_ms), batched=True, max_wait_s=max_wait_s)
+
+
 def open_stand_in_table(args: argparse.Namespace) -> tuple[Any, StreamTable]:
     """hift-serve's ``open_table`` over the stand-in device named by ``HIFT_STAND_IN`` (``MODEL[,STEP_MS]``; set by
     :func:`main`, inherited by Triton's Python-backend stub when the front end is ``python-backend``)."""
     model, _, step_ms = os.environ.get("HIFT_STAND_IN", "modelled").partition(";")
-    manifest = read_manifest(args.artifacts, verify=None)
-    constants = StreamConstants.from_manifest(manifest.config, manifest.step)
-    vocoder = modelled_vocoder(constants, stand_in_device(constants, model, step_ms or None), batched=True,
-                               max_wait_s=args.max_wait_ms / 1e3)
+    vocoder = stand_in_vocoder(args.artifacts, model, step_ms or None, args.max_wait_ms / 1e3)
     vocoder.max_streams = args.max_streams or 4096
     print(f"hift-serve: generator on {vocoder.backend.name} (a stand-in device: benchmarks/modelled_server.py)",
           flush=True)

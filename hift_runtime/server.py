@@ -17,7 +17,7 @@ import signal
 import sys
 import sysconfig
 import tempfile
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ from . import wire
 from .argparsing import OneLineArgumentParser, gpu_ids
 from .manifest import ArtifactError
 from .noise import NoiseTableError
-from .serving import MAX_CHUNK_FRAMES, ChunkRequest, StreamTable
+from .serving import MAX_CHUNK_FRAMES, ChunkReply, ChunkRequest, StreamTable
 from .sessions import nvidia_driver_present
 from .streaming import StreamingVocoder
 
@@ -45,15 +45,17 @@ def make_infer_func(table: StreamTable, sample_rate: int):
 
     def infer(requests: list[Any]) -> list[dict[str, np.ndarray]]:
         replies = table.handle([_request(r.data if hasattr(r, "data") else r) for r in requests])
-        out = []
-        for reply in replies:
-            samples = reply.audio.shape[0]
-            audio = reply.audio if samples else np.zeros(1, np.float32)  # PyTriton cannot carry an empty tensor
-            out.append({wire.AUDIO: audio[None], wire.SAMPLES: np.array([[samples]], np.int64),
-                        wire.SAMPLE_RATE: rate, wire.ERROR: np.array([[reply.error.encode()]], dtype=object)})
-        return out
+        return [_reply(reply, rate) for reply in replies]
 
     return infer
+
+
+def _reply(reply: ChunkReply, rate: np.ndarray) -> dict[str, np.ndarray]:
+    """One reply's output tensors (with their batch axis), as both front ends send them."""
+    samples = reply.audio.shape[0]
+    audio = reply.audio if samples else np.zeros(1, np.float32)  # PyTriton cannot carry an empty tensor
+    return {wire.AUDIO: np.ascontiguousarray(audio[None], np.float32), wire.SAMPLES: np.array([[samples]], np.int64),
+            wire.SAMPLE_RATE: rate, wire.ERROR: np.array([[reply.error.encode()]], dtype=object)}
 
 
 def bind(triton: Any, table: StreamTable, *, in_channels: int, sample_rate: int, max_batch: int,
@@ -78,14 +80,16 @@ def bind(triton: Any, table: StreamTable, *, in_channels: int, sample_rate: int,
         strict=False)
 
 
-def shared_libpython_env() -> None:
+def shared_libpython_env(env: MutableMapping[str, str] = os.environ, extra: Sequence[str] = ()) -> None:
     """Triton's Python-backend stub must load this interpreter's own shared libpython (else it loads another one and
-    fails in ``multiprocessing``); the server process passes its environment on to the stub."""
-    libdir = sysconfig.get_config_var("LIBDIR")
-    if libdir:
-        paths = [p for p in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
-        if libdir not in paths:
-            os.environ["LD_LIBRARY_PATH"] = os.pathsep.join([libdir, *paths])
+    fails in ``multiprocessing``): its folder (then ``extra`` folders) first on ``env``'s ``LD_LIBRARY_PATH``, which
+    the server process passes on to the stub."""
+    paths = [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
+    for folder in reversed([sysconfig.get_config_var("LIBDIR") or "", *extra]):
+        if folder and folder not in paths:
+            paths.insert(0, folder)
+    if paths:
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(paths)
 
 
 # ``--frontend python-backend``: the function Triton's Python-backend model opens the runtime with (None: the
@@ -177,6 +181,20 @@ def serving_gpus(option: list[int] | None, device: str) -> list[int] | None:
         return option
     gpus = visible_gpus() if device != "cpu" else []
     return gpus if len(gpus) > 1 else None
+
+
+def local_http_url(args: argparse.Namespace) -> str:
+    """Triton's HTTP endpoint as this machine reaches it (a wildcard ``--host`` is reached on the loopback)."""
+    local = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    return f"http://{f'[{local}]' if ':' in local else local}:{args.http_port}"
+
+
+def ready_line(args: argparse.Namespace, what: str, log_file: Path) -> str:
+    """The line printed once the model answers ready: what serves it, and every endpoint."""
+    return (f"hift-serve: model {args.model_name!r} ready ({what}): gRPC {args.host}:{args.grpc_port}, HTTP "
+            f"{args.host}:{args.http_port}, readiness {local_http_url(args)}/v2/models/{args.model_name}/ready, "
+            f"metrics http://{args.host}:{args.metrics_port}/metrics, server state http://{args.host}:"
+            f"{args.state_metrics_port}/metrics; Triton log {log_file}")
 
 
 def wait_model_ready(url: str, model_name: str, timeout_s: float = 120.0) -> bool:
@@ -271,8 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, console.stop)
     signal.signal(signal.SIGINT, console.stop)
     constants = vocoder.constants
-    local = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
-    http_url = f"http://{f'[{local}]' if ':' in local else local}:{args.http_port}"
+    http_url = local_http_url(args)
     try:
         # Bound before the server starts, so it loads the model as it comes up; /v2/health/ready can still answer
         # before the model is loaded, so readiness is the model's own endpoint (README: the probe to use).
@@ -289,11 +306,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"hift-serve: error: the model did not become ready in 120 s; see the Triton log {log_file}",
                       file=sys.stderr)
                 return 1
-            print(f"hift-serve: model {args.model_name!r} ready (generator on {vocoder.backend.name}, at most "
-                  f"{vocoder.max_streams} streams): gRPC {args.host}:{args.grpc_port}, HTTP {args.host}:"
-                  f"{args.http_port}, readiness {http_url}/v2/models/{args.model_name}/ready, metrics "
-                  f"http://{args.host}:{args.metrics_port}/metrics, server state http://{args.host}:"
-                  f"{args.state_metrics_port}/metrics; Triton log {log_file}", flush=True)
+            print(ready_line(args, f"generator on {vocoder.backend.name}, at most {vocoder.max_streams} streams",
+                             log_file), flush=True)
             triton.serve()
         finally:
             triton.stop()
@@ -333,8 +347,7 @@ def serve_python_backend(args: argparse.Namespace, argv: list[str], opener: str 
     failed_log: Path | None = None
     handlers = {sig: signal.signal(sig, lambda signum, _frame: stopping.append(signum))
                 for sig in (signal.SIGTERM, signal.SIGINT)}
-    local = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
-    http_url = f"http://{f'[{local}]' if ':' in local else local}:{args.http_port}"
+    http_url = local_http_url(args)
     try:
         try:
             process = launch(args, argv, in_channels, folder, log_file, nvidia_driver_present(), opener)
@@ -344,11 +357,7 @@ def serve_python_backend(args: argparse.Namespace, argv: list[str], opener: str 
         announced = False
         while process.poll() is None and not stopping:
             if not announced and wait_model_ready(http_url, args.model_name, timeout_s=0.5):
-                print(f"hift-serve: model {args.model_name!r} ready (the runtime inside Triton's Python backend): "
-                      f"gRPC {args.host}:{args.grpc_port}, HTTP {args.host}:{args.http_port}, readiness "
-                      f"{http_url}/v2/models/{args.model_name}/ready, metrics http://{args.host}:{args.metrics_port}"
-                      f"/metrics, server state http://{args.host}:{args.state_metrics_port}/metrics; Triton log "
-                      f"{log_file}", flush=True)
+                print(ready_line(args, "the runtime inside Triton's Python backend", log_file), flush=True)
                 announced = True
             time.sleep(0.2)
         if process.poll() is None:  # asked to stop: Triton unloads the model (its finalize) and exits

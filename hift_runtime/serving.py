@@ -124,12 +124,7 @@ class StreamTable:
 
     def handle(self, requests: Sequence[ChunkRequest]) -> list[ChunkReply]:
         """Serve one batch: one reply per request, in order."""
-        self._expire_idle()
-        order: dict[str, list[int]] = {}
-        for i, request in enumerate(requests):
-            order.setdefault(request.stream_id, []).append(i)
-        if self._loop.is_closed():
-            raise RuntimeError("the stream table was closed")
+        order = self._by_stream(requests)
         groups = [[requests[i] for i in idx] for idx in order.values()]
         answered = asyncio.run_coroutine_threadsafe(self._serve_groups(groups), self._loop).result()
         replies: list[ChunkReply] = [ChunkReply(_EMPTY)] * len(requests)
@@ -142,12 +137,7 @@ class StreamTable:
         """Serve one batch without waiting for it: ``on_reply(i, reply)`` for request ``i``, called from the table's
         loop thread as soon as its stream's requests of this batch are done (a server that can answer requests one
         by one takes the next batch meanwhile). Order and refusals as :meth:`handle`."""
-        self._expire_idle()
-        order: dict[str, list[int]] = {}
-        for i, request in enumerate(requests):
-            order.setdefault(request.stream_id, []).append(i)
-        if self._loop.is_closed():
-            raise RuntimeError("the stream table was closed")
+        order = self._by_stream(requests)
 
         async def serve(idx: list[int]) -> None:
             for i, reply in zip(idx, await self._serve_in_order([requests[i] for i in idx])):
@@ -172,6 +162,16 @@ class StreamTable:
         self._loop.close()
 
     # ---- internals (the coroutines run on the table's loop) ---------------------------------------------------------
+    def _by_stream(self, requests: Sequence[ChunkRequest]) -> dict[str, list[int]]:
+        """A batch's request indices by stream id, in arrival order (idle streams expired first)."""
+        self._expire_idle()
+        order: dict[str, list[int]] = {}
+        for i, request in enumerate(requests):
+            order.setdefault(request.stream_id, []).append(i)
+        if self._loop.is_closed():
+            raise RuntimeError("the stream table was closed")
+        return order
+
     async def _serve_groups(self, groups: list[list[ChunkRequest]]) -> list[list[ChunkReply]]:
         return list(await asyncio.gather(*(self._serve_in_order(g) for g in groups)))
 

@@ -21,7 +21,6 @@ import queue
 import shutil
 import subprocess
 import sys
-import sysconfig
 import threading
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from . import wire
+from .server import _reply, _request, shared_libpython_env
 
 log = logging.getLogger("hift_runtime.triton_python")
 # What opens the runtime and its stream table from hift-serve's parsed options (``hift_runtime.server.open_table``).
@@ -111,8 +111,7 @@ def launch(args: Any, argv: list[str], in_channels: int, folder: Path, log_file:
     repository = write_repository(folder / "models", args.model_name, in_channels=in_channels,
                                   max_batch=args.max_batch, argv=argv, opener=opener)
     env = dict(os.environ)
-    paths = [sysconfig.get_config_var("LIBDIR") or "", str(libs), env.get("LD_LIBRARY_PATH", "")]
-    env["LD_LIBRARY_PATH"] = ":".join(p for p in paths if p)
+    shared_libpython_env(env, [str(libs)])
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
     env["PYTHONUNBUFFERED"] = "1"
     cmd = [str(binary), f"--model-repository={repository}", f"--backend-directory={backends}",
@@ -158,9 +157,12 @@ class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         import importlib
 
+        import triton_python_backend_utils  # present inside Triton's Python backend only
+
         from .server import _parser
         from .server_metrics import serve_state_metrics
 
+        self._pb = triton_python_backend_utils
         # Threads hand work to each other here too (Triton's stub thread, the table's loop, the scheduler, the device
         # thread, the replier): a short GIL switch interval, as hift-serve's own process sets.
         sys.setswitchinterval(0.0005)
@@ -178,10 +180,7 @@ class TritonPythonModel:
         """Hand the batch to the stream table and return: each request is answered through its response sender when
         its push is done, so Triton gives this instance the next batch while this one steps (batches pipeline in
         one runtime, as the in-process scheduler's pushes do)."""
-        import triton_python_backend_utils as pb  # present inside Triton's Python backend only
-
-        from .server import _request
-
+        pb = self._pb
         chunks = [_request({name: pb.get_input_tensor_by_name(r, name).as_numpy()
                             for name in (wire.STREAM_ID, wire.MEL, wire.START, wire.END)}) for r in requests]
         senders = [r.get_response_sender() for r in requests]
@@ -191,19 +190,13 @@ class TritonPythonModel:
     def _send_replies(self) -> None:
         """The replier thread: a send is a blocking round trip to tritonserver, kept off the table's event loop (on
         it, sends took a fifth of the stub's time at K = 384 on two cores and stalled the pushes behind them)."""
-        import triton_python_backend_utils as pb
-
+        pb = self._pb
         final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         while (item := self._replies.get()) is not None:
             sender, reply = item
-            samples = reply.audio.shape[0]
-            audio = reply.audio if samples else np.zeros(1, np.float32)  # the same reply as the PyTriton front end
-            try:
+            try:  # the same tensors as the PyTriton front end's reply
                 sender.send(pb.InferenceResponse(output_tensors=[
-                    pb.Tensor(wire.AUDIO, np.ascontiguousarray(audio[None], np.float32)),
-                    pb.Tensor(wire.SAMPLES, np.array([[samples]], np.int64)),
-                    pb.Tensor(wire.SAMPLE_RATE, self.rate),
-                    pb.Tensor(wire.ERROR, np.array([[reply.error.encode()]], dtype=object))]), flags=final)
+                    pb.Tensor(name, value) for name, value in _reply(reply, self.rate).items()]), flags=final)
             except Exception:  # noqa: BLE001 - that request's loss alone (its client times out)
                 log.exception("a reply could not be sent")
 
