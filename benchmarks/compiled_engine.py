@@ -81,6 +81,7 @@ def main() -> None:
     vocoder.warmup(progress=lambda m: print(m, flush=True))
     result["warmup_s"] = round(time.perf_counter() - t0, 1)
     result["compiles_at_warmup"] = vocoder.backend.compiles_at_warmup
+    result["warmup_seconds_by_shape"] = vocoder.backend.warmup_seconds
     print(json.dumps(result), flush=True)
     # The reference: the CPU EP where the export has ONNX graphs, else the same step eagerly on the CPU (equal to the
     # CPU EP within 1.2e-7 on the reduced model, tests/test_compiled.py).

@@ -165,6 +165,7 @@ class CompiledBackend:
             self._compiled["generator"] = functools.partial(self._with_source, torch.compile(self._rest))
             self._compiled["final"] = functools.partial(self._with_source, torch.compile(self._final_rest))
         self.compiles_at_warmup: int | None = None
+        self.warmup_seconds: dict[str, float] = {}  # "kind:frames x batch" -> seconds of its compile and capture
 
     # ---- the functions compiled (pure tensor code) -----------------------------------------------------------------
     def _caches(self, slots: torch.Tensor, first: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -323,6 +324,7 @@ class CompiledBackend:
             for i, (kind, size, batch) in enumerate(shapes):
                 if (kind, size, batch) in self._graphs:
                     continue
+                shape_started = time.perf_counter()
                 fn = self._compiled[kind]
                 example = self._zeros(kind, size, batch)
                 if kind != "f0":
@@ -331,11 +333,14 @@ class CompiledBackend:
                     self._graphs[(kind, size, batch)] = _Captured(fn, example, self._graph_pool)
                 else:
                     fn(*example)
+                self.warmup_seconds[f"{kind}:{size}x{batch}"] = round(time.perf_counter() - shape_started, 3)
                 if kind != "f0" and (batch == self.batch_sizes[0] or i == len(shapes) - 1):  # each compile
                     say(f"warmup: {i + 1}/{len(shapes)} step shapes compiled and captured "
                         f"({time.perf_counter() - started:.0f} s)")
             torch.cuda.synchronize(self.device)
         self.compiles_at_warmup = compile_count()
+        say(warmup_summary(self.warmup_seconds))
+
 
     def _zeros(self, kind: str, size: int, batch: int) -> list[torch.Tensor]:
         """Inputs of a step of ``size`` frames for ``batch`` streams at the utterance start, every row on scratch."""
@@ -350,6 +355,20 @@ class CompiledBackend:
                 torch.zeros(batch, 1, dtype=torch.int64, device=dev),
                 torch.zeros(batch, c.num_sines, dtype=torch.float64, device=dev),
                 torch.ones(batch, 1, dtype=torch.bool, device=dev), torch.zeros(batch, dtype=torch.int64, device=dev)]
+
+
+def warmup_summary(seconds: dict[str, float]) -> str:
+    """Where warmup's time went: by kind, by step size, by batch size, and the slowest shapes (what to trim)."""
+    def by(part: Callable[[str], str]) -> str:
+        totals: dict[str, float] = {}
+        for shape, s in seconds.items():
+            totals[part(shape)] = totals.get(part(shape), 0.0) + s
+        return ", ".join(f"{key} {s:.1f}" for key, s in totals.items())
+
+    slowest = sorted(seconds.items(), key=lambda kv: -kv[1])[:5]
+    return (f"warmup: {len(seconds)} shapes in {sum(seconds.values()):.1f} s; by kind: "
+            f"{by(lambda k: k.split(':')[0])}; by frames: {by(lambda k: k.split(':')[1].split('x')[0])}; by batch: "
+            f"{by(lambda k: k.split('x')[1])}; slowest: {', '.join(f'{k} {s:.1f}' for k, s in slowest)}")
 
 
 def _mark_batch_dynamic(tensors: list[torch.Tensor]) -> None:
