@@ -340,7 +340,7 @@ def main() -> None:
     p.add_argument("--served-instances", type=int, default=1, help="hift-serve --instances (served config)")
     p.add_argument("--served-wait-ms", type=float, default=2.0,
                    help="hift-serve --max-wait-ms (served config; also the modelled configs' step batcher wait)")
-    p.add_argument("--served-frontend", choices=["pytriton", "python-backend"], default="pytriton",
+    p.add_argument("--served-frontend", choices=["pytriton", "python-backend"], default="python-backend",
                    help="hift-serve --frontend (served config)")
     p.add_argument("--served-device-model", choices=["instant", "modelled"],
                    help="the served config over a stand-in device (modelled_server.py), any host: its host cost")
@@ -400,7 +400,7 @@ def main() -> None:
             precision = args.precision if engine == "compiled" else ("tf32" if cuda.use_tf32 else args.precision)
             vocoder = open_vocoder(args.artifacts, device=args.device, cuda=cuda, batching=options[1], engine=engine,
                                    precision=precision, devices=args.gpus)
-            vocoder.warmup()
+            vocoder.warmup(progress=lambda msg: print(name, msg, flush=True))
         parity = None if name == "served" or name.startswith("modelled") else parity_vs_cpu(vocoder, args.artifacts)
         print(name, "largest difference from the CPU EP's offline pass:", parity, flush=True)
         if args.max_streams and name != "served":
@@ -418,7 +418,9 @@ def main() -> None:
                                    "engine": (f"hift-serve --frontend {args.served_frontend} --engine {args.engine} --precision {args.precision}"
                                               if name == "served" else
                                               getattr(getattr(vocoder, "backend", None), "name", name)),
-                                   "gpu_memory_after_warmup_mb": gpu_memory_mb(), "runs": rows}
+                                   "gpu_memory_after_warmup_mb": gpu_memory_mb(), "runs": rows,
+                                   "warmup_seconds_by_shape": getattr(getattr(vocoder, "backend", None),
+                                                                      "warmup_seconds", None)}
         try:
             for k in ks:
                 row = run_k(vocoder, k, args.seconds, args.clients)

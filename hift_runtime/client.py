@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from . import wire
-from .wire import ServerError
+from .wire import ServerError, ServerOverloaded
 
 
 def _parse_url(url: str) -> tuple[str, str]:
@@ -93,23 +93,29 @@ class ShardedClient:
     to the server its id picks by rendezvous hashing, so every chunk of it reaches the server that holds its state.
     Every client computes the same choice from the ids alone (no shared table); a server added or removed moves only
     the streams it gains or loses. A proxy in front of the servers does the same with the ``hift-stream-id`` header
-    (``wire.STREAM_HEADER``) as its affinity key."""
+    (``wire.STREAM_HEADER``) as its affinity key. A server that refuses a stream's start for want of room
+    (:class:`ServerOverloaded`, at its ``--max-streams``) passes it to the next server in the stream's hash order."""
 
     def __init__(self, urls: list[str], model_name: str = wire.MODEL_NAME, timeout_s: float = 60.0) -> None:
         if not urls or len(set(urls)) != len(urls):
             raise ServerError(f"a sharded client needs distinct server addresses, got {urls}")
         self.clients = [ServerClient(url, model_name, timeout_s) for url in urls]
 
-    def server_for(self, stream_id: str) -> ServerClient:
-        """The server that serves ``stream_id`` (the highest hash of address and id)."""
+    def servers_for(self, stream_id: str) -> list[ServerClient]:
+        """The servers in the order ``stream_id`` tries them (the highest hash of address and id first)."""
         import hashlib
 
-        return max(self.clients, key=lambda c: hashlib.blake2b(f"{c.url}\0{stream_id}".encode(), digest_size=8)
-                   .digest())
+        return sorted(self.clients, key=lambda c: hashlib.blake2b(f"{c.url}\0{stream_id}".encode(), digest_size=8)
+                      .digest(), reverse=True)
+
+    def server_for(self, stream_id: str) -> ServerClient:
+        """The server that serves ``stream_id`` when it has room."""
+        return self.servers_for(stream_id)[0]
 
     def stream(self, stream_id: str | None = None) -> "RemoteStream":
         sid = stream_id or uuid.uuid4().hex
-        return RemoteStream(self.server_for(sid), sid)
+        first, *others = self.servers_for(sid)
+        return RemoteStream(first, sid, others)
 
     def close(self) -> None:
         for client in self.clients:
@@ -120,15 +126,24 @@ class RemoteStream:
     """One utterance on the server: ``push(chunk)`` returns the audio it released; ``push(last, end=True)`` also
     returns the held-back tail and closes the stream."""
 
-    def __init__(self, client: ServerClient, stream_id: str) -> None:
+    def __init__(self, client: ServerClient, stream_id: str, fallbacks: list[ServerClient] | None = None) -> None:
         self.client, self.stream_id = client, stream_id
+        self._fallbacks = list(fallbacks or [])  # servers to start on if ``client`` has no room (ShardedClient)
         self._started = self._ended = False
         self.sample_rate: int | None = None
 
     def push(self, mel: np.ndarray, end: bool = False) -> np.ndarray:
         if self._ended:
             raise ServerError(f"stream {self.stream_id!r}: push after end=true; open a new stream")
-        audio, self.sample_rate = self.client.infer(self.stream_id, mel, start=not self._started, end=end)
+        while True:
+            try:
+                audio, self.sample_rate = self.client.infer(self.stream_id, mel, start=not self._started, end=end)
+                break
+            except ServerOverloaded:
+                if self._started or not self._fallbacks:
+                    raise
+                self.client = self._fallbacks.pop(0)  # a refused start opened nothing: the next server
+        self._fallbacks = []
         self._started = True
         self._ended = end
         return audio
@@ -154,7 +169,8 @@ def reply_audio(result: Any) -> tuple[np.ndarray, int]:
     """``(audio, sample_rate)`` of a reply, or :class:`ServerError` with the server's message if it was refused."""
     error = wire.first_value(result.as_numpy(wire.ERROR))
     if error:
-        raise ServerError(error.decode() if isinstance(error, bytes) else str(error))
+        message = error.decode() if isinstance(error, bytes) else str(error)
+        raise (ServerOverloaded if message.startswith(wire.OVERLOADED) else ServerError)(message)
     samples = int(wire.first_value(result.as_numpy(wire.SAMPLES)))
     rate = int(wire.first_value(result.as_numpy(wire.SAMPLE_RATE)))
     return result.as_numpy(wire.AUDIO).reshape(-1)[:samples].copy(), rate

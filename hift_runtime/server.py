@@ -126,10 +126,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="how long Triton's batcher and the step batcher wait for more streams (default 2 ms)")
     p.add_argument("--instances", type=int, default=1,
                    help="model instances: Triton batches executed at once (default 1; pytriton front end only)")
-    p.add_argument("--frontend", choices=["pytriton", "python-backend"], default="pytriton",
-                   help="pytriton (default): Triton through PyTriton's proxy; python-backend: the runtime inside "
-                        "Triton's own Python backend (a generated model repository), without PyTriton's process "
-                        "hop, which capped the served path near 300 requests/s (BENCHMARKS.md)")
+    p.add_argument("--frontend", choices=["python-backend", "pytriton"], default="python-backend",
+                   help="python-backend (default): the runtime inside Triton's own Python backend (a generated "
+                        "model repository); pytriton: Triton through PyTriton's proxy, a process hop that kept a "
+                        "quarter of the streams on an H200 (BENCHMARKS.md)")
     p.add_argument("--max-streams", type=int, default=None,
                    help="open streams at most; a start beyond it is refused with an overload message (default: what "
                         "the device holds: its cache slots on the GPU, a quarter of the free memory on the CPU)")
@@ -265,8 +265,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.frontend == "python-backend":
         if args.instances != 1:  # each instance would be a runtime of its own, its streams unknown to the others
-            print("hift-serve: error: --instances is the pytriton front end's; the python-backend front end runs one "
-                  "instance (its batches already pipeline); drop --instances", file=sys.stderr)
+            print("hift-serve: error: --instances is the pytriton front end's; the python-backend front end (the "
+                  "default) runs one instance (its batches already pipeline); drop --instances, or add --frontend "
+                  "pytriton", file=sys.stderr)
             return 2
         return serve_python_backend(args, argv, PYTHON_BACKEND_OPENER)
     try:

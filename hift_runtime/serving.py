@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from . import wire
 from .streaming import MelError, OverloadError, StreamError, StreamingVocoder, VocoderStream, validate_mel
 
 log = logging.getLogger("hift_runtime.serving")
@@ -215,7 +216,8 @@ class StreamTable:
             return ChunkReply(audio)
         except (MelError, StreamError, OverloadError) as exc:
             self._count_refusal(refusal_reason(exc))
-            return ChunkReply(_EMPTY, f"stream {shown_id(sid)}: {exc}")
+            overloaded = wire.OVERLOADED if isinstance(exc, OverloadError) else ""
+            return ChunkReply(_EMPTY, f"{overloaded}stream {shown_id(sid)}: {exc}")
         except Exception as exc:  # noqa: BLE001 - a backend failure: this request fails, the server goes on
             self._count_refusal("internal")
             log.exception("stream %s: request failed", shown_id(sid))

@@ -11,7 +11,9 @@ Reply: ``audio`` FP32 ``[N]`` whose first ``samples`` (INT64 ``[1]``) values are
 empty release comes back as one padding sample with ``samples = 0``), ``sample_rate`` INT32 ``[1]``, and ``error``
 BYTES ``[1]``: empty, or why the request was refused (the runtime's message; every stream's state is unchanged).
 Refusals travel in ``error`` because a Python-backend model can only fail a whole batch, which would fail the other
-streams' requests batched with it; the client raises them as :class:`ServerError`.
+streams' requests batched with it; the client raises them as :class:`ServerError`. A start refused because the
+server holds its ``--max-streams`` begins with :data:`OVERLOADED` (the client raises :class:`ServerOverloaded`: the
+stream opened nothing, and may start on another server).
 """
 
 from __future__ import annotations
@@ -30,8 +32,17 @@ DEFAULT_HTTP_PORT, DEFAULT_GRPC_PORT, DEFAULT_METRICS_PORT = 8000, 8001, 8002
 DEFAULT_STATE_METRICS_PORT = 8003  # hift-serve's own metrics, beside Triton's (server_metrics.py)
 
 
+# The start of a refusal for want of room (``OverloadError`` in the server): nothing was opened.
+OVERLOADED = "overloaded: "
+
+
 class ServerError(RuntimeError):
     """The server refused a request (its message says why) or could not be reached."""
+
+
+class ServerOverloaded(ServerError):
+    """The server refused a stream's start: it holds as many streams as it may (``--max-streams``). Nothing was
+    opened there; start the stream on another server or retry later."""
 
 
 def first_value(tensor: Any) -> Any:

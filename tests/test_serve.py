@@ -15,6 +15,7 @@ import urllib.request
 import numpy as np
 import pytest
 
+from hift_runtime import wire
 from hift_runtime.serving import ChunkRequest, StreamTable
 
 from .conftest import ROOT, max_abs, run_in_threads
@@ -138,12 +139,56 @@ def test_table_refuses_starts_over_the_limit_and_a_refused_first_chunk_opens_not
     assert table.open_streams == 0 and vocoder.open_streams == 0  # the refused first chunk took no slot
     replies = table.handle([ChunkRequest(f"o{i}", mel, start=True) for i in range(8)])
     refused = [r.error for r in replies if r.error]
-    assert len(refused) == 8 - vocoder.max_streams and all("max_streams" in e for e in refused)
+    assert len(refused) == 8 - vocoder.max_streams
+    assert all(e.startswith(wire.OVERLOADED) and "max_streams" in e for e in refused)  # what the client tells apart
     assert "is open" in table.handle([ChunkRequest("o0", mel, start=True)])[0].error
     assert table.open_streams == vocoder.max_streams
     table.handle([ChunkRequest(f"o{i}", mel, end=True) for i in range(8)])
     assert table.open_streams == 0
     table.close()
+
+
+def test_a_sharded_stream_refused_for_room_starts_on_the_next_server_and_stays_there():
+    """A server at its --max-streams refuses a start (nothing opened there): the sharded client starts the stream
+    on the next server of its hash order, and every later chunk goes there; other refusals are not retried."""
+    from hift_runtime.client import ShardedClient, reply_audio
+
+    class Refused:  # a reply whose error starts with the overload mark
+        def as_numpy(self, name):
+            return np.array([[f"{wire.OVERLOADED}stream 'x': 2 streams are open".encode()]], dtype=object)
+
+    with pytest.raises(wire.ServerOverloaded):
+        reply_audio(Refused())
+
+    class FakeServer:
+        def __init__(self, url: str, full: bool) -> None:
+            self.url, self.full, self.calls = url, full, []
+
+        def infer(self, stream_id, mel, start, end):
+            self.calls.append((stream_id, start, end))
+            if self.full and start:
+                raise wire.ServerOverloaded(f"{wire.OVERLOADED}stream {stream_id!r}: 2 streams are open, the limit")
+            if mel.shape[1] == 0:
+                raise wire.ServerError("a refusal of another kind")
+            return np.zeros(480 * mel.shape[1], np.float32), 24000
+
+    client = ShardedClient.__new__(ShardedClient)
+    client.clients = [FakeServer(f"h{i}:8001", full=False) for i in range(3)]
+    order = client.servers_for("s1")
+    order[0].full = True
+    stream = client.stream("s1")
+    assert stream.push(np.zeros((80, 2), np.float32)).shape == (960,)
+    assert stream.push(np.zeros((80, 1), np.float32), end=True).shape == (480,)
+    assert order[0].calls == [("s1", True, False)]  # refused once, nothing more
+    assert order[1].calls == [("s1", True, False), ("s1", False, True)] and order[2].calls == []
+    for server in order:
+        server.full = True
+    with pytest.raises(wire.ServerOverloaded, match="streams are open"):  # every server full: the last refusal
+        client.stream("s2").push(np.zeros((80, 1), np.float32))
+    for server in order:
+        server.full = False
+    with pytest.raises(wire.ServerError, match="another kind"):  # not retried elsewhere
+        client.stream("s3").push(np.zeros((80, 0), np.float32))
 
 
 def test_table_expires_idle_streams_with_a_clear_message(small_artifacts):
@@ -172,15 +217,16 @@ def _free_ports(n: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def server(small_artifacts, tmp_path_factory):
-    # A long batcher wait so the 8 test clients are seen in shared batches on a busy 2-core machine; two model
-    # instances, so Triton runs batches side by side (their streams meet in one step batcher).
-    yield from _live_server(small_artifacts, tmp_path_factory, ["--max-wait-ms", "20", "--instances", "2"])
+    # The PyTriton front end. A long batcher wait so the 8 test clients are seen in shared batches on a busy 2-core
+    # machine; two model instances, so Triton runs batches side by side (their streams meet in one step batcher).
+    yield from _live_server(small_artifacts, tmp_path_factory,
+                            ["--frontend", "pytriton", "--max-wait-ms", "20", "--instances", "2"])
 
 
 @pytest.fixture(scope="module")
 def second_server(small_artifacts, tmp_path_factory):
-    # The other front end: the runtime inside Triton's own Python backend (no PyTriton hop).
-    yield from _live_server(small_artifacts, tmp_path_factory, ["--frontend", "python-backend"])
+    # The default front end: the runtime inside Triton's own Python backend (no PyTriton hop).
+    yield from _live_server(small_artifacts, tmp_path_factory, [])
 
 
 def _live_server(small_artifacts, tmp_path_factory, options: list[str]):
@@ -463,12 +509,12 @@ def test_a_model_that_fails_to_load_is_said_in_one_line():
     assert load_failure(line, "other_model") is None
 
 
-def test_instances_with_the_python_backend_front_end_are_refused_in_one_line(tmp_path, capsys):
+def test_instances_with_the_default_python_backend_front_end_are_refused_in_one_line(tmp_path, capsys):
     pytest.importorskip("pytriton", reason="hift-serve needs the [serve] extra (nvidia-pytriton)")
     from hift_runtime import server
 
     ports = [str(p) for p in _free_ports(4)]
-    code = server.main(["--artifacts", str(tmp_path), "--frontend", "python-backend", "--instances", "2",
+    code = server.main(["--artifacts", str(tmp_path), "--instances", "2",
                         "--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2],
                         "--state-metrics-port", ports[3]])
     assert code == 2 and "--instances is the pytriton front end's" in capsys.readouterr().err
