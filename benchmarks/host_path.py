@@ -79,25 +79,40 @@ class ModelledDevice(InstantDevice):
     LADDER = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
     def __init__(self, constants, fixed_ms: float = 12.7, per_row_ms: float = 0.589, f0_ms: float = 1.8,
-                 final_ms: float = 20.0) -> None:
+                 final_ms: float = 20.0, shared_lock: str | None = None) -> None:
+        """``shared_lock``: a file whose lock every call holds while it "runs": processes naming the same file share
+        one modelled device, one call at a time (a GPU time-sliced between processes)."""
         super().__init__(constants)
         self.fixed_ms, self.per_row_ms, self.f0_ms, self.final_ms = fixed_ms, per_row_ms, f0_ms, final_ms
+        self._lock_file = open(shared_lock, "a") if shared_lock else None  # noqa: SIM115 - held for the device's life
 
     def _padded(self, rows: int) -> int:
         return next((b for b in self.LADDER if b >= rows), rows)
 
+    def _run(self, ms: float) -> None:
+        if self._lock_file is None:
+            time.sleep(ms / 1e3)
+            return
+        import fcntl
+
+        fcntl.flock(self._lock_file, fcntl.LOCK_EX)
+        try:
+            time.sleep(ms / 1e3)
+        finally:
+            fcntl.flock(self._lock_file, fcntl.LOCK_UN)
+
     def f0_step(self, mel, caches):
-        time.sleep(self.f0_ms / 1e3)
+        self._run(self.f0_ms)
         return super().f0_step(mel, caches)
 
     def generator_step(self, mel, f0, noise, phase_in, first, caches, final):
         if final:
-            time.sleep(self.final_ms / 1e3)
+            self._run(self.final_ms)
         else:
             frames = f0.shape[1] - self.c.source_look_ahead
             b = self._padded(mel.shape[0])
             ms = min(4.77 + (b - 1) * (8.75 - 4.77) / 7, self.fixed_ms + self.per_row_ms * b)  # B < 8: nearer 4.77
-            time.sleep(ms * max(frames, 4) / 24 / 1e3)
+            self._run(ms * max(frames, 4) / 24)
         return super().generator_step(mel, f0, noise, phase_in, first, caches, final)
 
 

@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import datetime as dt
 import json
+import os
 import subprocess
 import threading
 import time
@@ -58,64 +59,92 @@ class _LocalStream:
 
 
 class _Served:
-    """``hift-serve`` in a child process and a few shared gRPC clients (a channel serves many threads)."""
+    """``hift-serve`` in ``processes`` child processes (one runtime each, sharing the device) and a few gRPC clients
+    per server (a channel serves many threads); each stream goes to the server its id picks, as
+    :class:`~hift_runtime.client.ShardedClient` does."""
 
     def __init__(self, artifacts: str, device: str, max_batch: int, wait_ms: float, log: Path,
                  instances: int = 1, engine: str = "ort", precision: str = "fp32",
-                 stand_in: list[str] | None = None, frontend: str = "pytriton", max_streams: int | None = None) -> None:
+                 stand_in: list[str] | None = None, frontend: str = "pytriton", max_streams: int | None = None,
+                 processes: int = 1) -> None:
         """``stand_in``: options of ``modelled_server.py`` (hift-serve over a stand-in device) instead of the real
-        server over the export's engine."""
+        server over the export's engine. ``max_streams``: each process's ``--max-streams``."""
         import socket
         import sys
 
         from hift_runtime.client import ServerClient
 
-        ports = []
-        for _ in range(4):
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                ports.append(s.getsockname()[1])
         self.log = log
-        self.process = subprocess.Popen(
-            [sys.executable, *([str(Path(__file__).with_name("modelled_server.py")), *stand_in, "--"] if stand_in
-                               else ["-m", "hift_runtime.server"]), "--artifacts", artifacts, "--device", device,
-             "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
-             "--max-batch", str(max_batch), "--max-wait-ms", str(wait_ms), "--instances", str(instances),
-             "--engine", engine, "--precision", precision, "--state-metrics-port", str(ports[3]),
-             "--frontend", frontend, *(["--max-streams", str(max_streams)] if max_streams else [])],
-            stdout=log.open("w"), stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 300
-        while "' ready (" not in log.read_text():  # hift-serve's "model 'hift' ready (...)" line
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.process.terminate()  # not left holding its ports
-                raise RuntimeError("hift-serve did not start: " + log.read_text()[-2000:])
-            time.sleep(0.5)
-        self.metrics_url = f"http://127.0.0.1:{ports[2]}/metrics"
-        self.grpc_url = f"127.0.0.1:{ports[1]}"
-        self.clients = [ServerClient(f"127.0.0.1:{ports[1]}") for _ in range(16)]
+        env = dict(os.environ)
+        if stand_in and processes > 1:  # the processes share one modelled device, as they would share the GPU
+            env["HIFT_SHARED_DEVICE"] = str(log.with_suffix(".device-lock"))
+        self.processes: list[subprocess.Popen] = []
+        self.logs: list[Path] = []
+        self.metrics_urls: list[str] = []
+        self.grpc_urls: list[str] = []
+        for n in range(processes):
+            ports = []
+            for _ in range(4):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", 0))
+                    ports.append(s.getsockname()[1])
+            server_log = log if n == 0 else log.with_suffix(f".{n}.log")
+            self.logs.append(server_log)
+            self.processes.append(subprocess.Popen(
+                [sys.executable, *([str(Path(__file__).with_name("modelled_server.py")), *stand_in, "--"] if stand_in
+                                   else ["-m", "hift_runtime.server"]), "--artifacts", artifacts, "--device", device,
+                 "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
+                 "--max-batch", str(max_batch), "--max-wait-ms", str(wait_ms), "--instances", str(instances),
+                 "--engine", engine, "--precision", precision, "--state-metrics-port", str(ports[3]),
+                 "--frontend", frontend, *(["--max-streams", str(max_streams)] if max_streams else [])],
+                stdout=server_log.open("w"), stderr=subprocess.STDOUT, env=env))
+            self.metrics_urls.append(f"http://127.0.0.1:{ports[2]}/metrics")
+            self.grpc_urls.append(f"127.0.0.1:{ports[1]}")
+        deadline = time.monotonic() + 900  # a cold compile of the compiled engine takes minutes
+        for process, server_log in zip(self.processes, self.logs):
+            while "' ready (" not in server_log.read_text():  # hift-serve's "model 'hift' ready (...)" line
+                if process.poll() is not None or time.monotonic() > deadline:
+                    self.close()  # none left holding its ports
+                    raise RuntimeError("hift-serve did not start: " + server_log.read_text()[-2000:])
+                time.sleep(0.5)
+        self.clients = [[ServerClient(url) for _ in range(16)] for url in self.grpc_urls]
         self.backend = None
 
+    def server_of(self, i: int) -> int:
+        """Which server stream ``i`` goes to (its id ``load-i`` hashed over the servers, as ShardedClient does)."""
+        from hift_runtime.client import rendezvous_order
+
+        return rendezvous_order(self.grpc_urls, f"load-{i}")[0]
+
     def stream(self, i: int):
-        return self.clients[i % len(self.clients)].stream()
+        pool = self.clients[self.server_of(i)]
+        return pool[i % len(pool)].stream(f"load-{i}-{time.monotonic_ns()}")
 
     def batches(self) -> dict[str, float]:
-        """Triton's counters so far (summed over its models): inferences, executions (batches), successful
-        requests, and the microseconds requests spent queued and computing."""
+        """Triton's counters so far (summed over its models and the servers): inferences, executions (batches),
+        successful requests, and the microseconds requests spent queued and computing."""
         import urllib.request
 
-        text = urllib.request.urlopen(self.metrics_url, timeout=10).read().decode()
-        get = lambda name: sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines()  # noqa: E731
-                               if x.startswith(name + "{"))
-        return {"requests": get("nv_inference_count"), "executions": get("nv_inference_exec_count"),
-                "successes": get("nv_inference_request_success"),
-                "queue_us": get("nv_inference_queue_duration_us"),
-                "compute_us": get("nv_inference_compute_infer_duration_us")}
+        total: dict[str, float] = {}
+        for url in self.metrics_urls:
+            text = urllib.request.urlopen(url, timeout=10).read().decode()
+            get = lambda name: sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines()  # noqa: E731
+                                   if x.startswith(name + "{"))
+            for key, name in (("requests", "nv_inference_count"), ("executions", "nv_inference_exec_count"),
+                              ("successes", "nv_inference_request_success"),
+                              ("queue_us", "nv_inference_queue_duration_us"),
+                              ("compute_us", "nv_inference_compute_infer_duration_us")):
+                total[key] = total.get(key, 0.0) + get(name)
+        return total
 
     def close(self) -> None:
-        for c in self.clients:
-            c.close()
-        self.process.terminate()
-        self.process.wait(timeout=60)
+        for pool in getattr(self, "clients", []):
+            for c in pool:
+                c.close()
+        for process in self.processes:
+            process.terminate()
+        for process in self.processes:
+            process.wait(timeout=60)
 
 
 def triton_this_run(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -187,7 +216,8 @@ def run_k(vocoder, k: int, seconds: float, clients: str = "threads") -> dict[str
         try:
             await asyncio.sleep(max(0.0, t0 - time.monotonic()))
             if aclients is not None:
-                remote = aclients[i % len(aclients)].stream()
+                pool = aclients[vocoder.server_of(i)]
+                remote = pool[i % len(pool)].stream(f"load-{i}-{time.monotonic_ns()}")
                 push = remote.push
             else:
                 s = vocoder.stream()
@@ -210,12 +240,13 @@ def run_k(vocoder, k: int, seconds: float, clients: str = "threads") -> dict[str
             if served:
                 from hift_runtime.client import AsyncServerClient
 
-                aclients = [AsyncServerClient(vocoder.grpc_url) for _ in range(4)]  # created in the running loop
+                # Created in the running loop: a few per server.
+                aclients = [[AsyncServerClient(url) for _ in range(4)] for url in vocoder.grpc_urls]
             try:
                 await asyncio.gather(*(astream(i, aclients if served else None) for i in range(k)))
             finally:
                 if served:
-                    await asyncio.gather(*(c.close() for c in aclients))
+                    await asyncio.gather(*(c.close() for pool in aclients for c in pool))
 
         asyncio.run(run_all())
     else:
@@ -340,10 +371,14 @@ def main() -> None:
     p.add_argument("--served-instances", type=int, default=1, help="hift-serve --instances (served config)")
     p.add_argument("--served-wait-ms", type=float, default=2.0,
                    help="hift-serve --max-wait-ms (served config; also the modelled configs' step batcher wait)")
+    p.add_argument("--served-processes", type=int, default=1,
+                   help="hift-serve processes sharing the device (served config): each stream goes to the one its id "
+                        "picks, as ShardedClient does; --max-streams is shared out among them (default 1)")
     p.add_argument("--served-frontend", choices=["pytriton", "python-backend"], default="python-backend",
                    help="hift-serve --frontend (served config)")
-    p.add_argument("--served-device-model", choices=["instant", "modelled"],
-                   help="the served config over a stand-in device (modelled_server.py), any host: its host cost")
+    p.add_argument("--served-device-model", choices=["instant", "modelled", "echo"],
+                   help="the served config over a stand-in device (modelled_server.py), any host: its host cost; "
+                        "echo: no runtime at all (Triton and the front end alone)")
     p.add_argument("--step-ms", help="FIXED,PER_ROW,F0,FINAL ms of the modelled device (modelled configs, "
                                      "--served-device-model modelled); default: the ORT engine's H200 figures")
     args = p.parse_args()
@@ -384,7 +419,9 @@ def main() -> None:
                 "--device-model", args.served_device_model, *(["--step-ms", args.step_ms] if args.step_ms else [])]
             vocoder = _Served(args.artifacts, args.device, args.served_max_batch, args.served_wait_ms,
                               Path(args.out).with_suffix(".served.log"), args.served_instances, args.engine,
-                              args.precision, stand_in, args.served_frontend, args.max_streams)
+                              args.precision, stand_in, args.served_frontend,
+                              args.max_streams and -(-args.max_streams // args.served_processes),
+                              args.served_processes)
         elif name.startswith("modelled"):  # the scheduler over a modelled H200 (host_path.ModelledDevice), any host
             from modelled_server import stand_in_vocoder
 
@@ -416,6 +453,7 @@ def main() -> None:
         result["configs"][name] = {"open_and_warmup_s": round(time.perf_counter() - t0, 1),
                                    "warm_stream_s": warm_stream_s, "parity_max_abs_vs_cpu": parity,
                                    "engine": (f"hift-serve --frontend {args.served_frontend} --engine {args.engine} --precision {args.precision}"
+                                              + (f" x {args.served_processes} processes" if args.served_processes > 1 else "")
                                               if name == "served" else
                                               getattr(getattr(vocoder, "backend", None), "name", name)),
                                    "gpu_memory_after_warmup_mb": gpu_memory_mb(), "runs": rows,

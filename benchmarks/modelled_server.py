@@ -14,23 +14,28 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 from host_path import InstantDevice, ModelledDevice, modelled_vocoder  # same folder
 
 import hift_runtime.server as server
 from hift_runtime.manifest import read_manifest
-from hift_runtime.serving import StreamTable
+from hift_runtime.serving import ChunkReply, ChunkRequest, StreamTable
 from hift_runtime.streaming import StreamConstants
 
 
 def stand_in_device(constants: StreamConstants, model: str, step_ms: str | None) -> InstantDevice:
+    """``HIFT_SHARED_DEVICE`` (a file): the modelled device is shared with every process naming the same file."""
     if model == "instant":
         return InstantDevice(constants)
+    shared = os.environ.get("HIFT_SHARED_DEVICE") or None
     if not step_ms:
-        return ModelledDevice(constants)
+        return ModelledDevice(constants, shared_lock=shared)
     fixed, per_row, f0, final = (float(x) for x in step_ms.split(","))
-    return ModelledDevice(constants, fixed_ms=fixed, per_row_ms=per_row, f0_ms=f0, final_ms=final)
+    return ModelledDevice(constants, fixed_ms=fixed, per_row_ms=per_row, f0_ms=f0, final_ms=final, shared_lock=shared)
 
 
 def stand_in_vocoder(artifacts: str, model: str, step_ms: str | None, max_wait_s: float) -> Any:
@@ -40,12 +45,36 @@ def stand_in_vocoder(artifacts: str, model: str, step_ms: str | None, max_wait_s
     return modelled_vocoder(constants, stand_in_device(constants, model, step_ms), batched=True, max_wait_s=max_wait_s)
 
 
-def open_stand_in_table(args: argparse.Namespace) -> tuple[Any, StreamTable]:
+class EchoTable:
+    """No runtime at all: each chunk answered at once with silence of its length (``--device-model echo``). What the
+    front end and Triton alone carry, measured with the same clients."""
+
+    def __init__(self, vocoder: Any) -> None:
+        self.vocoder, self.samples_per_frame = vocoder, vocoder.constants.samples_per_frame
+        self.open_streams = self.streams_expired = 0
+        self.refused: dict[str, int] = {}
+
+    def handle(self, chunks: list[ChunkRequest]) -> list[ChunkReply]:
+        return [ChunkReply(np.zeros(c.mel.shape[-1] * self.samples_per_frame, np.float32)) for c in chunks]
+
+    def submit(self, chunks: list[ChunkRequest], reply: Callable[[int, ChunkReply], None]) -> None:
+        for i, answer in enumerate(self.handle(chunks)):
+            reply(i, answer)
+
+    def close(self) -> None:
+        pass
+
+
+def open_stand_in_table(args: argparse.Namespace) -> tuple[Any, Any]:
     """hift-serve's ``open_table`` over the stand-in device named by ``HIFT_STAND_IN`` (``MODEL[,STEP_MS]``; set by
     :func:`main`, inherited by Triton's Python-backend stub when the front end is ``python-backend``)."""
     model, _, step_ms = os.environ.get("HIFT_STAND_IN", "modelled").partition(";")
-    vocoder = stand_in_vocoder(args.artifacts, model, step_ms or None, args.max_wait_ms / 1e3)
+    vocoder = stand_in_vocoder(args.artifacts, "instant" if model == "echo" else model, step_ms or None,
+                               args.max_wait_ms / 1e3)
     vocoder.max_streams = args.max_streams or 4096
+    if model == "echo":
+        print("hift-serve: no runtime (an echo: benchmarks/modelled_server.py)", flush=True)
+        return vocoder, EchoTable(vocoder)
     print(f"hift-serve: generator on {vocoder.backend.name} (a stand-in device: benchmarks/modelled_server.py)",
           flush=True)
     return vocoder, StreamTable(vocoder, workers=args.max_batch, max_chunk_frames=args.max_chunk_frames)
@@ -53,7 +82,8 @@ def open_stand_in_table(args: argparse.Namespace) -> tuple[Any, StreamTable]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device-model", choices=["instant", "modelled"], default="modelled")
+    p.add_argument("--device-model", choices=["instant", "modelled", "echo"], default="modelled",
+                   help="instant or modelled: hift-serve's runtime over that device; echo: no runtime at all")
     p.add_argument("--step-ms", help="FIXED,PER_ROW,F0,FINAL (ms) of the modelled device")
     ours, rest = p.parse_known_args()
     rest = [a for a in rest if a != "--"]

@@ -88,6 +88,15 @@ class ServerClient:
         self._client.close()
 
 
+def rendezvous_order(urls: list[str], stream_id: str) -> list[int]:
+    """The indices of ``urls`` in the order a stream tries them: the highest hash of address and id first (the same
+    order in every client, from the id alone; a server added or removed moves only the streams it gains or loses)."""
+    import hashlib
+
+    return sorted(range(len(urls)), key=lambda i: hashlib.blake2b(f"{urls[i]}\0{stream_id}".encode(),
+                                                                  digest_size=8).digest(), reverse=True)
+
+
 class ShardedClient:
     """Several ``hift-serve`` servers behind one client (servers on several hosts, or one per GPU): each stream goes
     to the server its id picks by rendezvous hashing, so every chunk of it reaches the server that holds its state.
@@ -102,11 +111,8 @@ class ShardedClient:
         self.clients = [ServerClient(url, model_name, timeout_s) for url in urls]
 
     def servers_for(self, stream_id: str) -> list[ServerClient]:
-        """The servers in the order ``stream_id`` tries them (the highest hash of address and id first)."""
-        import hashlib
-
-        return sorted(self.clients, key=lambda c: hashlib.blake2b(f"{c.url}\0{stream_id}".encode(), digest_size=8)
-                      .digest(), reverse=True)
+        """The servers in the order ``stream_id`` tries them (:func:`rendezvous_order`)."""
+        return [self.clients[i] for i in rendezvous_order([c.url for c in self.clients], stream_id)]
 
     def server_for(self, stream_id: str) -> ServerClient:
         """The server that serves ``stream_id`` when it has room."""

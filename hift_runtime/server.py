@@ -99,7 +99,7 @@ PYTHON_BACKEND_OPENER: str | None = None
 
 def _parser() -> argparse.ArgumentParser:
     p = OneLineArgumentParser(prog="hift-serve", description="Serve the streaming vocoder on Triton Inference Server "
-                                                             "(HTTP, gRPC, metrics) through PyTriton.")
+                                                             "(HTTP, gRPC, metrics).")
     p.add_argument("--artifacts", required=True, help="folder written by hift-export")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 for every interface)")
@@ -130,6 +130,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="python-backend (default): the runtime inside Triton's own Python backend (a generated "
                         "model repository); pytriton: Triton through PyTriton's proxy, a process hop that kept a "
                         "quarter of the streams on an H200 (BENCHMARKS.md)")
+    p.add_argument("--processes", type=int, default=1,
+                   help="server processes on this machine, each its own Triton and runtime on the same device(s), "
+                        "process i on every port + 10 x i; clients shard streams by id over their gRPC addresses "
+                        "(one process answers ~660 requests/s; default 1)")
     p.add_argument("--max-streams", type=int, default=None,
                    help="open streams at most; a start beyond it is refused with an overload message (default: what "
                         "the device holds: its cache slots on the GPU, a quarter of the free memory on the CPU)")
@@ -247,9 +251,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     if (args.max_batch < 1 or args.max_wait_ms < 0 or args.instances < 1 or args.max_chunk_frames < 1
-            or (args.max_streams is not None and args.max_streams < 1)):
-        print("hift-serve: error: --max-batch, --instances, --max-streams and --max-chunk-frames must be >= 1 and "
-              "--max-wait-ms >= 0", file=sys.stderr)
+            or args.processes < 1 or (args.max_streams is not None and args.max_streams < 1)):
+        print("hift-serve: error: --max-batch, --instances, --processes, --max-streams and --max-chunk-frames must be "
+              ">= 1 and --max-wait-ms >= 0", file=sys.stderr)
         return 2
     try:
         from pytriton.triton import Triton, TritonConfig
@@ -257,18 +261,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"hift-serve: error: PyTriton is not installed ({exc}); install the project with its [serve] extra: "
               f"pip install -e \".[serve]\"", file=sys.stderr)
         return 2
-    busy = busy_port(args.host, {"--grpc-port": args.grpc_port, "--http-port": args.http_port,
-                                 "--metrics-port": args.metrics_port,
-                                 "--state-metrics-port": args.state_metrics_port})
+    from .server_processes import ports_of, serve_processes
+
+    busy = busy_port(args.host, ports_of(args, args.processes) if args.processes > 1 else
+                     {"--grpc-port": args.grpc_port, "--http-port": args.http_port,
+                      "--metrics-port": args.metrics_port, "--state-metrics-port": args.state_metrics_port})
     if busy:
         print(f"hift-serve: error: {busy}", file=sys.stderr)
         return 2
+    if args.frontend == "python-backend" and args.instances != 1:  # each instance would be a runtime of its own
+        print("hift-serve: error: --instances is the pytriton front end's; the python-backend front end (the "
+              "default) runs one instance (its batches already pipeline); drop --instances, or add --frontend "
+              "pytriton", file=sys.stderr)
+        return 2
+    if args.processes > 1:
+        return serve_processes(args, argv)
     if args.frontend == "python-backend":
-        if args.instances != 1:  # each instance would be a runtime of its own, its streams unknown to the others
-            print("hift-serve: error: --instances is the pytriton front end's; the python-backend front end (the "
-                  "default) runs one instance (its batches already pipeline); drop --instances, or add --frontend "
-                  "pytriton", file=sys.stderr)
-            return 2
         return serve_python_backend(args, argv, PYTHON_BACKEND_OPENER)
     try:
         vocoder, table = open_table(args)

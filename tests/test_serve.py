@@ -225,13 +225,17 @@ def server(small_artifacts, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def second_server(small_artifacts, tmp_path_factory):
-    # The default front end: the runtime inside Triton's own Python backend (no PyTriton hop).
-    yield from _live_server(small_artifacts, tmp_path_factory, [])
+    # The default front end (the runtime inside Triton's own Python backend, no PyTriton hop) in two processes under
+    # one supervisor (--processes 2): process 1 on every port + 10.
+    yield from _live_server(small_artifacts, tmp_path_factory, ["--processes", "2"], processes=2)
 
 
-def _live_server(small_artifacts, tmp_path_factory, options: list[str]):
+def _live_server(small_artifacts, tmp_path_factory, options: list[str], processes: int = 1):
     pytest.importorskip("pytriton", reason="hift-serve needs the [serve] extra (nvidia-pytriton)")
-    http, grpc, metrics, state = _free_ports(4)
+    while True:  # free ports, and free 10 up for each further process too
+        http, grpc, metrics, state = _free_ports(4)
+        if processes == 1 or _all_free([p + 10 * i for p in (http, grpc, metrics, state) for i in range(1, processes)]):
+            break
     log = tmp_path_factory.mktemp("serve") / "hift-serve.log"
     cmd = [sys.executable, "-m", "hift_runtime.server", "--artifacts", str(small_artifacts.out), "--device", "cpu",
            "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
@@ -242,7 +246,7 @@ def _live_server(small_artifacts, tmp_path_factory, options: list[str]):
         process = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, text=True)
     try:
         deadline = time.monotonic() + 120
-        while "ready" not in log.read_text():
+        while ("ready" if processes == 1 else f"ready in {processes} processes") not in log.read_text():
             assert process.poll() is None, log.read_text()[-3000:]
             assert time.monotonic() < deadline, "hift-serve did not become ready in 120 s: " + log.read_text()[-3000:]
             time.sleep(0.2)
@@ -251,7 +255,9 @@ def _live_server(small_artifacts, tmp_path_factory, options: list[str]):
             assert ready.status == 200
         yield {"grpc": f"127.0.0.1:{grpc}", "http": f"http://127.0.0.1:{http}",
                "metrics": f"http://127.0.0.1:{metrics}/metrics", "state": f"http://127.0.0.1:{state}/metrics",
-               "process": process, "log": log}
+               "process": process, "log": log,
+               "others": [{"grpc": f"127.0.0.1:{grpc + 10 * i}", "metrics": f"http://127.0.0.1:{metrics + 10 * i}/metrics"}
+                          for i in range(1, processes)]}
     finally:
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)
@@ -260,6 +266,16 @@ def _live_server(small_artifacts, tmp_path_factory, options: list[str]):
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+def _all_free(ports: list[int]) -> bool:
+    for port in ports:
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                return False
+    return True
 
 
 def _metric(text: str, name: str) -> float:
@@ -374,32 +390,34 @@ def test_server_refuses_a_busy_port_in_one_line(small_artifacts):
     assert f"--grpc-port {port}: cannot listen" in done.stderr
 
 
-def test_two_servers_behind_a_sharded_client_keep_each_stream_on_one_server(server, second_server, vocoder):
-    """Scaling past one server: the client picks each stream's server from its id (rendezvous hashing); every chunk
-    of a stream reaches the server holding its state, and each stream equals the offline pass."""
+def test_servers_behind_a_sharded_client_keep_each_stream_on_one_server(server, second_server, vocoder):
+    """Scaling past one server process: the client picks each stream's server from its id (rendezvous hashing) over
+    three processes (a PyTriton server and the two processes of ``--processes 2``); every chunk of a stream reaches
+    the process holding its state, and each stream equals the offline pass."""
     from hift_runtime.client import ShardedClient
 
-    client = ShardedClient([server["grpc"], second_server["grpc"]])
-    ids = [f"shard-{i}" for i in range(16)]
+    targets = [server, second_server, *second_server["others"]]
+    urls = [t["grpc"] for t in targets]
+    client = ShardedClient(urls)
+    ids = [f"shard-{i}" for i in range(24)]
     placed = {sid: client.server_for(sid).url for sid in ids}
-    assert set(placed.values()) == {server["grpc"], second_server["grpc"]}  # both servers get streams
-    assert placed == {sid: ShardedClient([second_server["grpc"], server["grpc"]]).server_for(sid).url
+    assert set(placed.values()) == set(urls)  # every process gets streams
+    assert placed == {sid: ShardedClient(urls[::-1]).server_for(sid).url
                       for sid in ids}  # the same choice whatever the order the addresses are listed in
     rng = np.random.default_rng(16)
-    before = [_metric(urllib.request.urlopen(s["metrics"], timeout=10).read().decode(), "nv_inference_count")
-              for s in (server, second_server)]
-    chosen = ids[:6]
+    before = [_metric(urllib.request.urlopen(t["metrics"], timeout=10).read().decode(), "nv_inference_count")
+              for t in targets]
+    chosen = [next(sid for sid in ids if placed[sid] == url) for url in urls] + ids[:3]
     for sid in chosen:
         mel = _mel(rng, 30)
         stream = client.stream(sid)
         parts = _chunks(mel, 12)
         audio = np.concatenate([stream.push(p, end=k == len(parts) - 1) for k, p in enumerate(parts)])
         assert max_abs(audio, vocoder.vocode(mel)) <= SERVED_TOLERANCE, sid
-    after = [_metric(urllib.request.urlopen(s["metrics"], timeout=10).read().decode(), "nv_inference_count")
-             for s in (server, second_server)]
-    sent = {url: sum(len(_chunks(np.zeros((1, 30)), 12)) for sid in chosen if placed[sid] == url)
-            for url in (server["grpc"], second_server["grpc"])}
-    assert [a - b for a, b in zip(after, before)] == [sent[server["grpc"]], sent[second_server["grpc"]]]
+    after = [_metric(urllib.request.urlopen(t["metrics"], timeout=10).read().decode(), "nv_inference_count")
+             for t in targets]
+    sent = {url: sum(len(_chunks(np.zeros((1, 30)), 12)) for sid in chosen if placed[sid] == url) for url in urls}
+    assert [a - b for a, b in zip(after, before)] == [sent[url] for url in urls]
     client.close()
 
 
@@ -443,10 +461,11 @@ def test_the_python_backend_front_end_streams_exactly_refuses_alone_and_stops_cl
     key = 'hift_requests_refused_total{reason="bad_mel"}'
     assert after[key] - before.get(key, 0.0) == 1 and after["hift_open_streams"] == 0
     process = second_server["process"]
-    process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=60) == 0
+    process.send_signal(signal.SIGTERM)  # the supervisor of --processes 2: both processes stop, cleanly
+    assert process.wait(timeout=90) == 0
     console = second_server["log"].read_text()
-    assert "hift-serve: stopped" in console and "Signal (" not in console
+    assert "[0] hift-serve: stopped" in console and "[1] hift-serve: stopped" in console
+    assert "Signal (" not in console
 
 
 def test_an_empty_release_is_reported_as_zero_samples(vocoder):
@@ -518,3 +537,15 @@ def test_instances_with_the_default_python_backend_front_end_are_refused_in_one_
                         "--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2],
                         "--state-metrics-port", ports[3]])
     assert code == 2 and "--instances is the pytriton front end's" in capsys.readouterr().err
+
+
+def test_each_of_several_processes_gets_its_own_ports_stream_share_and_log():
+    """``--processes 3``: process 2 listens 20 above every port, opens at most ceil(100 / 3) streams, logs apart."""
+    from hift_runtime.server import _parser
+    from hift_runtime.server_processes import process_argv
+
+    argv = ["--artifacts", "a", "--processes", "3", "--max-streams", "100", "--triton-log", "t.log"]
+    child = _parser().parse_args(process_argv(_parser().parse_args(argv), argv, 2, 3))
+    assert (child.processes, child.http_port, child.grpc_port, child.metrics_port, child.state_metrics_port) == \
+        (1, 8020, 8021, 8022, 8023)
+    assert child.max_streams == 34 and child.triton_log == "t.log.2" and child.artifacts == "a"
