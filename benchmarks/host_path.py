@@ -116,12 +116,21 @@ class ModelledDevice(InstantDevice):
         return super().generator_step(mel, f0, noise, phase_in, first, caches, final)
 
 
-def modelled_vocoder(constants, device: InstantDevice, batched: bool, max_wait_s: float = 0.003):
-    """A vocoder over a stand-in device, with the scheduler ``open_vocoder`` gives the GPU."""
+# Step sizes of the stand-in: the ORT engine's, the compiled engine's (its F0 at every size up to 24 frames), or the
+# compiled engine's generator sizes for the F0 too (as before it captured its F0 apart).
+STEP_SIZES = {"ort": ((24, 16, 8, 4, 2, 1), None), "compiled": ((24, 8, 4, 1), tuple(range(24, 0, -1))),
+              "compiled-f0-split": ((24, 8, 4, 1), None)}
+
+
+def modelled_vocoder(constants, device: InstantDevice, batched: bool, max_wait_s: float = 0.003,
+                     sizes: str = "ort"):
+    """A vocoder over a stand-in device, with the scheduler ``open_vocoder`` gives the GPU; ``sizes``: a key of
+    :data:`STEP_SIZES`."""
     from hift_runtime.batching import PushScheduler
     from hift_runtime.streaming import StreamingVocoder
 
-    vocoder = StreamingVocoder(device, constants, step_sizes=(24, 16, 8, 4, 2, 1))
+    step_sizes, device.f0_step_sizes = STEP_SIZES[sizes]
+    vocoder = StreamingVocoder(device, constants, step_sizes=step_sizes)
     if batched:
         vocoder.scheduler = PushScheduler(device, max_batch=256, max_wait_s=max_wait_s,
                                           pushes_in_progress=lambda: vocoder.pushes_in_progress)

@@ -379,6 +379,9 @@ def main() -> None:
     p.add_argument("--served-device-model", choices=["instant", "modelled", "echo"],
                    help="the served config over a stand-in device (modelled_server.py), any host: its host cost; "
                         "echo: no runtime at all (Triton and the front end alone)")
+    p.add_argument("--modelled-step-sizes", choices=["ort", "compiled", "compiled-f0-split"], default="ort",
+                   help="step sizes of the in-process modelled configs: the ORT engine's (default), the compiled "
+                        "engine's (F0 at every size up to 24), or its generator sizes for the F0 too")
     p.add_argument("--step-ms", help="FIXED,PER_ROW,F0,FINAL ms of the modelled device (modelled configs, "
                                      "--served-device-model modelled); default: the ORT engine's H200 figures")
     args = p.parse_args()
@@ -426,7 +429,7 @@ def main() -> None:
             from modelled_server import stand_in_vocoder
 
             vocoder = stand_in_vocoder(args.artifacts, "instant" if name == "modelled_instant" else "modelled",
-                                       args.step_ms, args.served_wait_ms / 1e3)
+                                       args.step_ms, args.served_wait_ms / 1e3, args.modelled_step_sizes)
         else:
             options = {"batched": (CudaOptions(), True), "batched_tf32": (CudaOptions(use_tf32=True), True),
                        "per_stream": (CudaOptions(), False),

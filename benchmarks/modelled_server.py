@@ -38,11 +38,13 @@ def stand_in_device(constants: StreamConstants, model: str, step_ms: str | None)
     return ModelledDevice(constants, fixed_ms=fixed, per_row_ms=per_row, f0_ms=f0, final_ms=final, shared_lock=shared)
 
 
-def stand_in_vocoder(artifacts: str, model: str, step_ms: str | None, max_wait_s: float) -> Any:
-    """A batching vocoder with the export's constants over a stand-in device (``model``: instant or modelled)."""
+def stand_in_vocoder(artifacts: str, model: str, step_ms: str | None, max_wait_s: float, sizes: str = "ort") -> Any:
+    """A batching vocoder with the export's constants over a stand-in device (``model``: instant or modelled;
+    ``sizes``: whose step sizes, ``host_path.STEP_SIZES``)."""
     manifest = read_manifest(artifacts, verify=None)
     constants = StreamConstants.from_manifest(manifest.config, manifest.step)
-    return modelled_vocoder(constants, stand_in_device(constants, model, step_ms), batched=True, max_wait_s=max_wait_s)
+    return modelled_vocoder(constants, stand_in_device(constants, model, step_ms), batched=True, max_wait_s=max_wait_s,
+                            sizes=sizes)
 
 
 class EchoTable:

@@ -8,8 +8,9 @@ fused into Triton kernels, cuDNN convolutions), behind the same bookkeeping and 
   step reads zeros instead of its row. The F0 caches (small, float64) travel with each call, as on ONNX Runtime.
 * **Noise**: the noise table lives on the device; each step gathers its rows from the first row's index (no 432 KB of
   noise per stream-step crosses the bus).
-* **CUDA graphs**: at :meth:`warmup`, every (step size, batch size) of the stream step and of the F0 step, and the
-  4-frame final step at every batch size, is compiled (one dynamic-batch compile serves all sizes), run, and captured;
+* **CUDA graphs**: at :meth:`warmup`, every (step size, batch size) of the stream step, the 4-frame final step and
+  the F0 step (every size up to 24 frames: one F0 call a push) is compiled (one dynamic-batch compile serves all
+  sizes; the F0 step runs eagerly), run, and captured;
   a call then copies its inputs into the graph's buffers, replays, and copies audio and phase out.
 * **Precision** (:data:`PRECISIONS`): ``fp32`` (TF32 off: parity, the default), ``tf32`` (TF32 convolutions and
   matmuls), ``fp16`` (the convolution trunk in half precision; source, STFT, phase and iSTFT head in float32). The F0
@@ -48,6 +49,9 @@ BATCH_SIZES = (2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 # every size threshold of the convolutions anyway), so few: a 24-frame chunk stream meets 24, and 8 + 8 + 4 at its
 # start; every other count splits into these.
 STEP_SIZES = (24, 8, 4, 1)
+# The F0 step (eager, float64, ~10 ms a capture) at every size up to 24 frames: a push's F0 is then one call, where
+# the generator's sizes would make up to four (a stream's first push: 8 + 8 + 4 + 1), each waiting for a device turn.
+F0_STEP_SIZES = tuple(range(24, 0, -1))
 # Dynamo keeps this many compiles of one function before it falls back to eager without a word; ours are counted.
 RECOMPILE_LIMIT = 64
 
@@ -138,6 +142,7 @@ class CompiledBackend:
         self.compiled = self.on_cuda if compile is None else compile
         self.cuda_graphs = cuda_graphs and self.on_cuda
         self.step_sizes = step_sizes if self.on_cuda else None
+        self.f0_step_sizes = F0_STEP_SIZES if self.on_cuda and step_sizes else None
         self.batch_sizes = tuple(sorted(set(batch_sizes))) if self.on_cuda else (1,)
         self.name = f"compiled[{self.device.type}:{precision}]" if self.compiled else f"torch[{self.device.type}]"
         self.generator, self.predictor = load_folded(manifest, self.device)
@@ -318,8 +323,10 @@ class CompiledBackend:
         say = progress or (lambda msg: log.info("hift_runtime: %s", msg))
         started = time.perf_counter()
         c = self.constants
-        shapes = [(kind, size, batch) for batch in self.batch_sizes for size in step_sizes for kind in ("f0", "generator")]
+        f0_sizes = self.f0_step_sizes or step_sizes
+        shapes = [("generator", size, batch) for batch in self.batch_sizes for size in step_sizes]
         shapes += [("final", c.mel_look_ahead, batch) for batch in self.batch_sizes]
+        shapes += [("f0", size, batch) for batch in self.batch_sizes for size in f0_sizes]
         with self._lock, self._precision():
             for i, (kind, size, batch) in enumerate(shapes):
                 if (kind, size, batch) in self._graphs:

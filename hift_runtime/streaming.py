@@ -275,6 +275,12 @@ class StreamingVocoder:
             raise ValueError(f"max_step_frames must be >= 1, got {max_step_frames}")
         self.phase_mode = phase
         self.step_sizes = step_sizes
+        # The F0 steps' sizes: the backend's own where it prepares F0 shapes apart (the compiled engine captures its
+        # cheap F0 step at every size up to 24 frames, so a push's F0 is one call, not up to four: each call of a
+        # push waits for a device turn under load), else the generator's.
+        f0_sizes = getattr(backend, "f0_step_sizes", None)
+        self.f0_step_sizes = step_sizes if step_sizes is None or f0_sizes is None else tuple(sorted(f0_sizes,
+                                                                                                 reverse=True))
         self.max_step_frames = max_step_frames
         self.max_streams, self.idle_timeout_s = max_streams, idle_timeout_s
         # Open streams (weak: a stream its caller dropped frees its slot) and how many are inside a push right now
@@ -646,7 +652,7 @@ class VocoderStream:
         result, and returns the emitted audio. Everything is computed into locals; the stream's state changes only
         once every call has succeeded (an error thrown in, or the coroutine closed, leaves it as it was)."""
         c = self._c
-        sizes, max_step = self._v.step_sizes, self._max_step
+        sizes, f0_sizes, max_step = self._v.step_sizes, self._v.f0_step_sizes, self._max_step
         base = self._position
         mel = np.concatenate([self._mel, chunk], axis=1) if chunk.shape[1] else self._mel
         n = self._frames_in + chunk.shape[1]
@@ -661,7 +667,7 @@ class VocoderStream:
             if final:
                 window = np.concatenate([window, np.zeros((c.in_channels, c.f0_look_ahead), np.float32)], axis=1)
             pieces_f0, pos = [f0], 0
-            for size in split_steps(target - f0_end, sizes, max_step):
+            for size in split_steps(target - f0_end, f0_sizes, max_step):
                 out, f0_caches = yield StepCall("f0", (window[None, :, pos:pos + size + c.f0_look_ahead], f0_caches))
                 pieces_f0.append(out[0])
                 pos += size

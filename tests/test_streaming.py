@@ -194,6 +194,37 @@ def test_fixed_step_sizes_equal_any_size(small_artifacts):
         open_vocoder(small_artifacts.out, device="cpu", step_sizes=(8, 4))
 
 
+def test_a_backends_own_f0_step_sizes_make_each_pushs_f0_one_call(small_artifacts):
+    """A backend that prepares its F0 step at every size (the compiled engine on CUDA: ``f0_step_sizes``) gets one
+    F0 call a push of up to 24 frames, the generator keeping its few sizes; the audio equals the generator's sizes
+    for both, and the offline pass, whatever the chunking."""
+    from hift_runtime import StreamingVocoder
+
+    same = open_vocoder(small_artifacts.out, device="cpu", step_sizes=(24, 8, 4, 1))
+    backend = open_vocoder(small_artifacts.out, device="cpu").backend
+    backend.f0_step_sizes = tuple(range(24, 0, -1))
+    calls: list[int] = []
+    f0_step = backend.f0_step
+    backend.f0_step = lambda mel, caches: calls.append(mel.shape[2]) or f0_step(mel, caches)
+    own = StreamingVocoder(backend, same.constants, step_sizes=(24, 8, 4, 1))
+    assert own.f0_step_sizes == tuple(range(24, 0, -1)) and same.f0_step_sizes == (24, 8, 4, 1)
+    la = same.constants.f0_look_ahead
+    for seed, schedule in enumerate(([24] * 6, [50, 50, 31], [7, 13, 1, 30, 25, 5])):
+        mel = random_mel(sum(schedule), 30 + seed)
+        calls.clear()
+        a, stream = stream_all(own, mel, schedule)
+        b, _ = stream_all(same, mel, schedule)
+        assert_equal_to_offline(np.concatenate(a), np.concatenate(b))
+        assert_equal_to_offline(np.concatenate(a), same.vocode(mel))
+        assert all(frames - la <= 24 for frames in calls)
+        if seed == 0:  # 24-frame chunks: one F0 call a push, and one at finish
+            assert len(calls) == len(schedule) + 1
+    calls.clear()
+    stream = own.stream()
+    stream.push(random_mel(24, 9))
+    assert calls == [24 - la + la]  # 21 frames (8 + 8 + 4 + 1 with the generator's sizes) in one call
+
+
 def test_sixty_second_stream_equals_offline(small_vocoder, small_eager):
     mel = random_mel(3000, 12)
     pieces, stream = stream_all(small_vocoder, mel, [24] * 125)
