@@ -89,7 +89,9 @@ def _parser() -> argparse.ArgumentParser:
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--artifacts", help="folder written by hift-export (vocode in this process)")
     where.add_argument("--server", help="a running hift-serve: HOST:PORT (gRPC), grpc://HOST:PORT or "
-                                        "http://HOST:PORT (stream the chunks through it)")
+                                        "http://HOST:PORT (stream the chunks through it); several, comma-separated "
+                                        "(hift-serve --processes, several hosts): the stream goes to the one its id "
+                                        "picks (ShardedClient)")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--mel", help="input mel, .npy or .npz ([80, T] or [1, 80, T] natural-log mel)")
     source.add_argument("--wav", help="input speech (any format libsndfile reads, any rate and channel count: "
@@ -185,9 +187,12 @@ def _via_server(args: argparse.Namespace, schedule: Sequence[int], out: Path, sa
     if given:
         raise UsageError(f"{', '.join(given)} cannot be used with --server: they are the server's settings "
                          f"(see hift-serve --help)")
-    from .client import ServerClient
+    from .client import ServerClient, ShardedClient
 
-    client = ServerClient(args.server)
+    urls = [url.strip() for url in args.server.split(",") if url.strip()]
+    if not urls:
+        raise UsageError("--server names no address: give HOST:PORT (several comma-separated)")
+    client: ServerClient | ShardedClient = ServerClient(urls[0]) if len(urls) == 1 else ShardedClient(urls)
     try:
         mel = validate_mel(read_mel(args.mel) if args.mel else _wav_mel(args.wav, say), client.in_channels)
         if mel.shape[1] == 0:
@@ -204,7 +209,7 @@ def _via_server(args: argparse.Namespace, schedule: Sequence[int], out: Path, sa
     sample_rate = int(stream.sample_rate)
     write_audio(out, audio, sample_rate, args.subtype)
     seconds = audio.shape[0] / sample_rate
-    say(f"hift-vocode: streamed {len(sizes)} chunks via {args.server}: {seconds:.2f} s of audio in {wall:.2f} s "
+    say(f"hift-vocode: streamed {len(sizes)} chunks via {stream.client.url}: {seconds:.2f} s of audio in {wall:.2f} s "
         f"(RTF {wall / max(seconds, 1e-9):.3f}) -> {out}")
     return 0
 

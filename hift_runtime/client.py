@@ -110,6 +110,11 @@ class ShardedClient:
             raise ServerError(f"a sharded client needs distinct server addresses, got {urls}")
         self.clients = [ServerClient(url, model_name, timeout_s) for url in urls]
 
+    @property
+    def in_channels(self) -> int:
+        """The mel bins the servers take (every server serves the same export)."""
+        return self.clients[0].in_channels
+
     def servers_for(self, stream_id: str) -> list[ServerClient]:
         """The servers in the order ``stream_id`` tries them (:func:`rendezvous_order`)."""
         return [self.clients[i] for i in rendezvous_order([c.url for c in self.clients], stream_id)]

@@ -390,7 +390,7 @@ def test_server_refuses_a_busy_port_in_one_line(small_artifacts):
     assert f"--grpc-port {port}: cannot listen" in done.stderr
 
 
-def test_servers_behind_a_sharded_client_keep_each_stream_on_one_server(server, second_server, vocoder):
+def test_servers_behind_a_sharded_client_keep_each_stream_on_one_server(server, second_server, vocoder, tmp_path):
     """Scaling past one server process: the client picks each stream's server from its id (rendezvous hashing) over
     three processes (a PyTriton server and the two processes of ``--processes 2``); every chunk of a stream reaches
     the process holding its state, and each stream equals the offline pass."""
@@ -419,6 +419,13 @@ def test_servers_behind_a_sharded_client_keep_each_stream_on_one_server(server, 
     sent = {url: sum(len(_chunks(np.zeros((1, 30)), 12)) for sid in chosen if placed[sid] == url) for url in urls}
     assert [a - b for a, b in zip(after, before)] == [sent[url] for url in urls]
     client.close()
+    mel = _mel(rng, 40)  # hift-vocode over the three addresses: the stream goes to the one its id picks
+    np.save(tmp_path / "in.npy", mel)
+    done = subprocess.run([sys.executable, "-m", "hift_runtime.cli", "--server", ",".join(urls), "--mel",
+                           str(tmp_path / "in.npy"), "--out", str(tmp_path / "out.npy"), "--chunks", "12"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "streamed 4 chunks via 127.0.0.1:" in done.stdout, done.stderr
+    assert max_abs(np.load(tmp_path / "out.npy"), vocoder.vocode(mel)) <= SERVED_TOLERANCE
 
 
 def test_server_stops_cleanly_on_sigterm(server):
