@@ -1,11 +1,14 @@
-"""``hift-serve``: the streaming vocoder behind Triton Inference Server, through PyTriton.
+"""``hift-serve``: the streaming vocoder behind Triton Inference Server.
 
 Triton gives HTTP, gRPC, the metrics endpoint and health checks; its dynamic batcher groups concurrent streams'
-requests, and one Triton batch becomes one :meth:`StreamTable.handle` call, whose streams step together through the
-runtime's push scheduler (one batched F0 step and one batched generator step per step size). Stream state stays in
-this process, keyed by stream id (:mod:`hift_runtime.serving`); the wire contract is :mod:`hift_runtime.wire`.
+requests, and one Triton batch goes to the stream table, whose streams step together through the runtime's push
+scheduler (one batched F0 step and one batched generator step per step size). Stream state stays in the process that
+runs the table, keyed by stream id (:mod:`hift_runtime.serving`); the wire contract is :mod:`hift_runtime.wire`.
 
-Needs the ``[serve]`` extra (``nvidia-pytriton``, which ships ``tritonserver`` and wants numpy < 2).
+Front ends: ``python-backend`` (the default: the runtime inside Triton's own Python backend, :mod:`.triton_python`)
+and ``pytriton`` (this process binds the table through PyTriton's proxy). ``--processes N`` runs N whole servers
+under one supervisor (:mod:`.server_processes`). Needs the ``[serve]`` extra (``nvidia-pytriton``, which ships
+``tritonserver`` and its Python backend, and wants numpy < 2).
 """
 
 from __future__ import annotations
