@@ -117,7 +117,8 @@ class ModelledDevice(InstantDevice):
 
 
 # Step sizes of the stand-in: the ORT engine's, the compiled engine's (its F0 at every size up to 24 frames), or the
-# compiled engine's generator sizes for the F0 too (as before it captured its F0 apart).
+# compiled engine's generator sizes for the F0 too (as before it captured its F0 apart). The compiled ones take noise
+# positions, as that engine does (its noise table on the device).
 STEP_SIZES = {"ort": ((24, 16, 8, 4, 2, 1), None), "compiled": ((24, 8, 4, 1), tuple(range(24, 0, -1))),
               "compiled-f0-split": ((24, 8, 4, 1), None)}
 
@@ -130,6 +131,9 @@ def modelled_vocoder(constants, device: InstantDevice, batched: bool, max_wait_s
     from hift_runtime.streaming import StreamingVocoder
 
     step_sizes, device.f0_step_sizes = STEP_SIZES[sizes]
+    if sizes != "ort":
+        device.takes_noise_positions = True
+        device.use_noise_table = lambda noise: None
     vocoder = StreamingVocoder(device, constants, step_sizes=step_sizes)
     if batched:
         vocoder.scheduler = PushScheduler(device, max_batch=256, max_wait_s=max_wait_s,

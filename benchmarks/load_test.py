@@ -380,8 +380,9 @@ def main() -> None:
                    help="the served config over a stand-in device (modelled_server.py), any host: its host cost; "
                         "echo: no runtime at all (Triton and the front end alone)")
     p.add_argument("--modelled-step-sizes", choices=["ort", "compiled", "compiled-f0-split"], default="ort",
-                   help="step sizes of the in-process modelled configs: the ORT engine's (default), the compiled "
-                        "engine's (F0 at every size up to 24), or its generator sizes for the F0 too")
+                   help="step sizes of the modelled configs and a served stand-in: the ORT engine's (default), the "
+                        "compiled engine's (F0 at every size up to 24, noise positions), or its generator sizes for "
+                        "the F0 too")
     p.add_argument("--step-ms", help="FIXED,PER_ROW,F0,FINAL ms of the modelled device (modelled configs, "
                                      "--served-device-model modelled); default: the ORT engine's H200 figures")
     args = p.parse_args()
@@ -419,7 +420,8 @@ def main() -> None:
         t0 = time.perf_counter()
         if name == "served":
             stand_in = None if not args.served_device_model else [
-                "--device-model", args.served_device_model, *(["--step-ms", args.step_ms] if args.step_ms else [])]
+                "--device-model", args.served_device_model, "--step-sizes", args.modelled_step_sizes,
+                *(["--step-ms", args.step_ms] if args.step_ms else [])]
             vocoder = _Served(args.artifacts, args.device, args.served_max_batch, args.served_wait_ms,
                               Path(args.out).with_suffix(".served.log"), args.served_instances, args.engine,
                               args.precision, stand_in, args.served_frontend,

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from host_path import InstantDevice, ModelledDevice, modelled_vocoder  # same folder
+from host_path import STEP_SIZES, InstantDevice, ModelledDevice, modelled_vocoder  # same folder
 
 import hift_runtime.server as server
 from hift_runtime.manifest import read_manifest
@@ -68,11 +68,11 @@ class EchoTable:
 
 
 def open_stand_in_table(args: argparse.Namespace) -> tuple[Any, Any]:
-    """hift-serve's ``open_table`` over the stand-in device named by ``HIFT_STAND_IN`` (``MODEL[,STEP_MS]``; set by
+    """hift-serve's ``open_table`` over the stand-in device named by ``HIFT_STAND_IN`` (``MODEL;STEP_MS;SIZES``; set by
     :func:`main`, inherited by Triton's Python-backend stub when the front end is ``python-backend``)."""
-    model, _, step_ms = os.environ.get("HIFT_STAND_IN", "modelled").partition(";")
+    model, step_ms, sizes = (os.environ.get("HIFT_STAND_IN", "modelled") + ";;").split(";")[:3]
     vocoder = stand_in_vocoder(args.artifacts, "instant" if model == "echo" else model, step_ms or None,
-                               args.max_wait_ms / 1e3)
+                               args.max_wait_ms / 1e3, sizes or "ort")
     vocoder.max_streams = args.max_streams or 4096
     if model == "echo":
         print("hift-serve: no runtime (an echo: benchmarks/modelled_server.py)", flush=True)
@@ -87,9 +87,11 @@ def main() -> int:
     p.add_argument("--device-model", choices=["instant", "modelled", "echo"], default="modelled",
                    help="instant or modelled: hift-serve's runtime over that device; echo: no runtime at all")
     p.add_argument("--step-ms", help="FIXED,PER_ROW,F0,FINAL (ms) of the modelled device")
+    p.add_argument("--step-sizes", choices=sorted(STEP_SIZES), default="ort",
+                   help="whose step sizes (and noise form) the stand-in has: the ORT engine's or the compiled engine's")
     ours, rest = p.parse_known_args()
     rest = [a for a in rest if a != "--"]
-    os.environ["HIFT_STAND_IN"] = f"{ours.device_model};{ours.step_ms or ''}"
+    os.environ["HIFT_STAND_IN"] = f"{ours.device_model};{ours.step_ms or ''};{ours.step_sizes}"
     server.open_table = open_stand_in_table  # the PyTriton front end opens in this process
     server.PYTHON_BACKEND_OPENER = "modelled_server:open_stand_in_table"  # the Python backend's stub imports it
     return server.main(rest)
