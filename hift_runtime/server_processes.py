@@ -40,7 +40,7 @@ def process_argv(args: argparse.Namespace, argv: list[str], i: int, processes: i
 
 def ports_of(args: argparse.Namespace, processes: int) -> dict[str, int]:
     """Every port the processes will listen on, named by option and process (for the busy-port check)."""
-    return {f"{option} (process {i}: {getattr(args, option[2:].replace('-', '_')) + i * PORT_STRIDE})":
+    return {f"{option}{f' + {i * PORT_STRIDE} (process {i})' if i else ''}":
             getattr(args, option[2:].replace("-", "_")) + i * PORT_STRIDE
             for i in range(processes) for option in PORT_OPTIONS}
 
