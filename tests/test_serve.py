@@ -560,3 +560,21 @@ def test_each_of_several_processes_gets_its_own_ports_stream_share_and_log():
 
     ports = ports_of(_parser().parse_args(argv), 3)  # what the busy-port check probes, named as its message says
     assert len(ports) == 12 and ports["--grpc-port + 20 (process 2)"] == 8021 and ports["--http-port"] == 8000
+
+
+def test_several_processes_stop_together_when_one_cannot_start(tmp_path):
+    """``--processes 2`` over a missing export: each process says why in one line, the supervisor says which
+    stopped first and returns its status."""
+    pytest.importorskip("pytriton", reason="hift-serve needs the [serve] extra (nvidia-pytriton)")
+    while True:
+        ports = _free_ports(4)
+        if _all_free([p + 10 for p in ports]):
+            break
+    done = subprocess.run([sys.executable, "-m", "hift_runtime.server", "--artifacts", str(tmp_path / "missing"),
+                           "--processes", "2", *(x for option, port in zip(
+                               ("--http-port", "--grpc-port", "--metrics-port", "--state-metrics-port"), ports)
+                               for x in (option, str(port)))],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "does not exist" in done.stdout and done.stdout.startswith("[")
+    assert done.stderr.count("\n") == 1 and "before every process was ready; stopping the others" in done.stderr
