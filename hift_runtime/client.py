@@ -97,7 +97,27 @@ def rendezvous_order(urls: list[str], stream_id: str) -> list[int]:
                                                                   digest_size=8).digest(), reverse=True)
 
 
-class ShardedClient:
+class _Shards:
+    """What both sharded clients share: the servers, and the order a stream tries them in."""
+
+    clients: list[Any]
+
+    @staticmethod
+    def _distinct(urls: list[str]) -> list[str]:
+        if not urls or len(set(urls)) != len(urls):
+            raise ServerError(f"a sharded client needs distinct server addresses, got {urls}")
+        return urls
+
+    def servers_for(self, stream_id: str) -> list[Any]:
+        """The servers in the order ``stream_id`` tries them (:func:`rendezvous_order`)."""
+        return [self.clients[i] for i in rendezvous_order([c.url for c in self.clients], stream_id)]
+
+    def server_for(self, stream_id: str) -> Any:
+        """The server that serves ``stream_id`` when it has room."""
+        return self.servers_for(stream_id)[0]
+
+
+class ShardedClient(_Shards):
     """Several ``hift-serve`` servers behind one client (servers on several hosts, or one per GPU): each stream goes
     to the server its id picks by rendezvous hashing, so every chunk of it reaches the server that holds its state.
     Every client computes the same choice from the ids alone (no shared table); a server added or removed moves only
@@ -106,22 +126,12 @@ class ShardedClient:
     (:class:`ServerOverloaded`, at its ``--max-streams``) passes it to the next server in the stream's hash order."""
 
     def __init__(self, urls: list[str], model_name: str = wire.MODEL_NAME, timeout_s: float = 60.0) -> None:
-        if not urls or len(set(urls)) != len(urls):
-            raise ServerError(f"a sharded client needs distinct server addresses, got {urls}")
-        self.clients = [ServerClient(url, model_name, timeout_s) for url in urls]
+        self.clients = [ServerClient(url, model_name, timeout_s) for url in self._distinct(urls)]
 
     @property
     def in_channels(self) -> int:
         """The mel bins the servers take (every server serves the same export)."""
         return self.clients[0].in_channels
-
-    def servers_for(self, stream_id: str) -> list[ServerClient]:
-        """The servers in the order ``stream_id`` tries them (:func:`rendezvous_order`)."""
-        return [self.clients[i] for i in rendezvous_order([c.url for c in self.clients], stream_id)]
-
-    def server_for(self, stream_id: str) -> ServerClient:
-        """The server that serves ``stream_id`` when it has room."""
-        return self.servers_for(stream_id)[0]
 
     def stream(self, stream_id: str | None = None) -> "RemoteStream":
         sid = stream_id or uuid.uuid4().hex
@@ -133,30 +143,46 @@ class ShardedClient:
             client.close()
 
 
-class RemoteStream:
-    """One utterance on the server: ``push(chunk)`` returns the audio it released; ``push(last, end=True)`` also
-    returns the held-back tail and closes the stream."""
+class _StreamState:
+    """A remote stream's bookkeeping, sync or async alike: started, ended, and the servers left to start on."""
 
-    def __init__(self, client: ServerClient, stream_id: str, fallbacks: list[ServerClient] | None = None) -> None:
+    def __init__(self, client: Any, stream_id: str, fallbacks: list[Any] | None = None) -> None:
         self.client, self.stream_id = client, stream_id
-        self._fallbacks = list(fallbacks or [])  # servers to start on if ``client`` has no room (ShardedClient)
+        self._fallbacks = list(fallbacks or [])  # servers to start on if ``client`` has no room (sharded clients)
         self._started = self._ended = False
         self.sample_rate: int | None = None
 
-    def push(self, mel: np.ndarray, end: bool = False) -> np.ndarray:
+    def _check_open(self) -> None:
         if self._ended:
             raise ServerError(f"stream {self.stream_id!r}: push after end=true; open a new stream")
+
+    def _next_server(self) -> bool:
+        """After a start refused for room: move to the next server, if any (the refused start opened nothing)."""
+        if self._started or not self._fallbacks:
+            return False
+        self.client = self._fallbacks.pop(0)
+        return True
+
+    def _pushed(self, end: bool) -> None:
+        self._fallbacks = []
+        self._started = True
+        self._ended = end
+
+
+class RemoteStream(_StreamState):
+    """One utterance on the server: ``push(chunk)`` returns the audio it released; ``push(last, end=True)`` also
+    returns the held-back tail and closes the stream."""
+
+    def push(self, mel: np.ndarray, end: bool = False) -> np.ndarray:
+        self._check_open()
         while True:
             try:
                 audio, self.sample_rate = self.client.infer(self.stream_id, mel, start=not self._started, end=end)
                 break
             except ServerOverloaded:
-                if self._started or not self._fallbacks:
+                if not self._next_server():
                     raise
-                self.client = self._fallbacks.pop(0)  # a refused start opened nothing: the next server
-        self._fallbacks = []
-        self._started = True
-        self._ended = end
+        self._pushed(end)
         return audio
 
 
@@ -225,20 +251,37 @@ class AsyncServerClient:
         await self._client.close()
 
 
-class AsyncRemoteStream:
+class AsyncShardedClient(_Shards):
+    """:class:`ShardedClient` for asyncio (gRPC): ``await client.stream().push(chunk, end=...)``, each stream on the
+    server its id picks, a start refused for room passed to the next. Create and use it inside the running loop."""
+
+    def __init__(self, urls: list[str], model_name: str = wire.MODEL_NAME, timeout_s: float = 60.0) -> None:
+        self.clients = [AsyncServerClient(url, model_name, timeout_s) for url in self._distinct(urls)]
+
+    def stream(self, stream_id: str | None = None) -> "AsyncRemoteStream":
+        sid = stream_id or uuid.uuid4().hex
+        first, *others = self.servers_for(sid)
+        return AsyncRemoteStream(first, sid, others)
+
+    async def close(self) -> None:
+        for client in self.clients:
+            await client.close()
+
+
+class AsyncRemoteStream(_StreamState):
     """:class:`RemoteStream` for asyncio: ``await push(chunk)``, ``await push(last, end=True)``."""
 
-    def __init__(self, client: AsyncServerClient, stream_id: str) -> None:
-        self.client, self.stream_id = client, stream_id
-        self._started = self._ended = False
-        self.sample_rate: int | None = None
-
     async def push(self, mel: np.ndarray, end: bool = False) -> np.ndarray:
-        if self._ended:
-            raise ServerError(f"stream {self.stream_id!r}: push after end=true; open a new stream")
-        audio, self.sample_rate = await self.client.infer(self.stream_id, mel, start=not self._started, end=end)
-        self._started = True
-        self._ended = end
+        self._check_open()
+        while True:
+            try:
+                audio, self.sample_rate = await self.client.infer(self.stream_id, mel, start=not self._started,
+                                                                  end=end)
+                break
+            except ServerOverloaded:
+                if not self._next_server():
+                    raise
+        self._pushed(end)
         return audio
 
 

@@ -190,6 +190,22 @@ def test_a_sharded_stream_refused_for_room_starts_on_the_next_server_and_stays_t
     with pytest.raises(wire.ServerError, match="another kind"):  # not retried elsewhere
         client.stream("s3").push(np.zeros((80, 0), np.float32))
 
+    import asyncio
+
+    from hift_runtime.client import AsyncShardedClient
+
+    class FakeAsyncServer(FakeServer):  # the asyncio client's streams: the same bookkeeping, awaited
+        async def infer(self, stream_id, mel, start, end):
+            return FakeServer.infer(self, stream_id, mel, start, end)
+
+    aclient = AsyncShardedClient.__new__(AsyncShardedClient)
+    aclient.clients = [FakeAsyncServer(f"h{i}:8001", full=False) for i in range(3)]
+    aorder = aclient.servers_for("s1")
+    aorder[0].full = True
+    astream = aclient.stream("s1")
+    assert asyncio.run(astream.push(np.zeros((80, 2), np.float32), end=True)).shape == (960,)
+    assert aorder[0].calls == [("s1", True, True)] and aorder[1].calls == [("s1", True, True)]
+
 
 def test_table_expires_idle_streams_with_a_clear_message(small_artifacts):
     from hift_runtime import open_vocoder
@@ -426,6 +442,27 @@ def test_servers_behind_a_sharded_client_keep_each_stream_on_one_server(server, 
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "streamed 4 chunks via 127.0.0.1:" in done.stdout, done.stderr
     assert max_abs(np.load(tmp_path / "out.npy"), vocoder.vocode(mel)) <= SERVED_TOLERANCE
+
+    async def through_asyncio() -> list[np.ndarray]:  # the asyncio sharded client, streams as tasks of one loop
+        from hift_runtime.client import AsyncShardedClient
+
+        aclient = AsyncShardedClient(urls)
+
+        async def one(sid: str) -> np.ndarray:
+            stream = aclient.stream(sid)
+            parts = _chunks(mels[sid], 12)
+            return np.concatenate([await stream.push(p, end=k == len(parts) - 1) for k, p in enumerate(parts)])
+
+        try:
+            return await asyncio.gather(*(one(sid) for sid in mels))
+        finally:
+            await aclient.close()
+
+    import asyncio
+
+    mels = {f"{sid}-async": _mel(rng, 30) for sid in chosen[:3]}
+    for sid, audio in zip(mels, asyncio.run(through_asyncio())):
+        assert max_abs(audio, vocoder.vocode(mels[sid])) <= SERVED_TOLERANCE, sid
 
 
 def test_server_stops_cleanly_on_sigterm(server):
