@@ -258,14 +258,21 @@ def _live_server(small_artifacts, tmp_path_factory, options: list[str], processe
            "--state-metrics-port", str(state), "--max-batch", "8",
            *options, "--triton-log", str(log.with_suffix(".triton.log"))]
     env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}  # hift-serve must set it itself
-    with open(log, "w") as out:
-        process = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, text=True)
-    try:
+    ready_line = "ready" if processes == 1 else f"ready in {processes} processes"
+    for attempt in (1, 2):
+        with open(log, "w") as out:
+            process = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, text=True)
         deadline = time.monotonic() + 120
-        while ("ready" if processes == 1 else f"ready in {processes} processes") not in log.read_text():
-            assert process.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, "hift-serve did not become ready in 120 s: " + log.read_text()[-3000:]
+        while ready_line not in log.read_text() and process.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
+        # PyTriton 0.7.0's model instances fetch their config from a handshake socket in hift-serve's process; once
+        # in ~7 CI runs (two instances, a loaded 2-core machine) an instance found it refusing and the load failed.
+        # PyTriton's race, not ours: the PyTriton front end is started once more then.
+        if process.poll() is None or attempt == 2 or "get_config_from_handshake_server" not in log.read_text():
+            break
+    try:
+        assert process.poll() is None, log.read_text()[-3000:]
+        assert ready_line in log.read_text(), "hift-serve did not become ready in 120 s: " + log.read_text()[-3000:]
         # The ready line comes only once the model answers ready (the endpoint a load balancer's probe uses).
         with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/models/hift_vocoder/ready", timeout=5) as ready:
             assert ready.status == 200
