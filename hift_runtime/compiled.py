@@ -348,7 +348,6 @@ class CompiledBackend:
         self.compiles_at_warmup = compile_count()
         say(warmup_summary(self.warmup_seconds))
 
-
     def _zeros(self, kind: str, size: int, batch: int) -> list[torch.Tensor]:
         """Inputs of a step of ``size`` frames for ``batch`` streams at the utterance start, every row on scratch."""
         c, dev = self.constants, self.device

@@ -14,13 +14,14 @@ under one supervisor (:mod:`.server_processes`). Needs the ``[serve]`` extra (``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
 import sys
 import sysconfig
 import tempfile
-from collections.abc import MutableMapping, Sequence
+from collections.abc import Iterator, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -204,6 +205,36 @@ def ready_line(args: argparse.Namespace, what: str, log_file: Path) -> str:
             f"{args.state_metrics_port}/metrics; Triton log {log_file}")
 
 
+@contextlib.contextmanager
+def stop_signals_recorded() -> Iterator[list[int]]:
+    """SIGTERM and Ctrl-C recorded in the list this yields (a supervisor's loop watches it) instead of raising; the
+    previous handlers back on exit."""
+    stopping: list[int] = []
+    handlers = {sig: signal.signal(sig, lambda signum, _frame: stopping.append(signum))
+                for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield stopping
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
+def stop_processes(processes: Sequence[Any], timeout_s: float) -> None:
+    """Ask every process still running to stop (SIGTERM), wait up to ``timeout_s`` for each, kill any that would
+    not."""
+    import subprocess
+
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+    for process in processes:
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 def wait_model_ready(url: str, model_name: str, timeout_s: float = 120.0) -> bool:
     """Poll Triton's model-readiness endpoint until the model answers ready (True) or ``timeout_s`` passes."""
     import time
@@ -339,7 +370,6 @@ def serve_python_backend(args: argparse.Namespace, argv: list[str], opener: str 
     the runtime (:mod:`.triton_python`); this process supervises it: the ready line once the model answers ready,
     SIGTERM/Ctrl-C passed on, the exit status."""
     import shutil
-    import subprocess
     import time
 
     from .manifest import read_manifest
@@ -355,44 +385,35 @@ def serve_python_backend(args: argparse.Namespace, argv: list[str], opener: str 
         return 2
     folder = Path(tempfile.mkdtemp(prefix="hift-serve-"))
     log_file = Path(args.triton_log or folder / "triton.log")
-    stopping: list[int] = []
     failed_log: Path | None = None
-    handlers = {sig: signal.signal(sig, lambda signum, _frame: stopping.append(signum))
-                for sig in (signal.SIGTERM, signal.SIGINT)}
     http_url = local_http_url(args)
     try:
-        try:
-            process = launch(args, argv, in_channels, folder, log_file, nvidia_driver_present(), opener)
-        except (FileNotFoundError, ImportError, OSError) as exc:
-            print(f"hift-serve: error: cannot start tritonserver: {exc}", file=sys.stderr)
-            return 2
-        announced = False
-        while process.poll() is None and not stopping:
-            if not announced and wait_model_ready(http_url, args.model_name, timeout_s=0.5):
-                print(ready_line(args, "the runtime inside Triton's Python backend", log_file), flush=True)
-                announced = True
-            time.sleep(0.2)
-        if process.poll() is None:  # asked to stop: Triton unloads the model (its finalize) and exits
-            process.terminate()
+        with stop_signals_recorded() as stopping:
             try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        elif not stopping:
-            text = log_file.read_text(errors="replace") if log_file.is_file() else ""
-            why = load_failure(text, args.model_name)
-            failed_log = log_file  # kept for the reader
-            if why:  # the model's own message (a bad export, no CUDA, ...): what to fix, in one line
-                print(f"hift-serve: error: {why} (tritonserver's log: {log_file})", file=sys.stderr)
-            else:
-                print(f"hift-serve: error: tritonserver exited with status {process.returncode}"
-                      f"{' before the model was ready' if not announced else ''}; the end of its log "
-                      f"({log_file}):\n{text[-2000:]}", file=sys.stderr)
-            return 1
+                process = launch(args, argv, in_channels, folder, log_file, nvidia_driver_present(), opener)
+            except (FileNotFoundError, ImportError, OSError) as exc:
+                print(f"hift-serve: error: cannot start tritonserver: {exc}", file=sys.stderr)
+                return 2
+            announced = False
+            while process.poll() is None and not stopping:
+                if not announced and wait_model_ready(http_url, args.model_name, timeout_s=0.5):
+                    print(ready_line(args, "the runtime inside Triton's Python backend", log_file), flush=True)
+                    announced = True
+                time.sleep(0.2)
+            if process.poll() is None:  # asked to stop: Triton unloads the model (its finalize) and exits
+                stop_processes([process], timeout_s=60)
+            elif not stopping:
+                text = log_file.read_text(errors="replace") if log_file.is_file() else ""
+                why = load_failure(text, args.model_name)
+                failed_log = log_file  # kept for the reader
+                if why:  # the model's own message (a bad export, no CUDA, ...): what to fix, in one line
+                    print(f"hift-serve: error: {why} (tritonserver's log: {log_file})", file=sys.stderr)
+                else:
+                    print(f"hift-serve: error: tritonserver exited with status {process.returncode}"
+                          f"{' before the model was ready' if not announced else ''}; the end of its log "
+                          f"({log_file}):\n{text[-2000:]}", file=sys.stderr)
+                return 1
     finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
         if failed_log is not None and not args.triton_log:  # the repository goes; the log the message names stays
             shutil.rmtree(folder / "models", ignore_errors=True)
             shutil.rmtree(folder / "backends", ignore_errors=True)

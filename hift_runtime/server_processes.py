@@ -14,7 +14,6 @@ most ``ceil(max_streams / N)`` streams, and writes Triton's log to ``--triton-lo
 from __future__ import annotations
 
 import argparse
-import signal
 import subprocess
 import sys
 import threading
@@ -25,12 +24,17 @@ PORT_STRIDE = 10
 PORT_OPTIONS = ("--http-port", "--grpc-port", "--metrics-port", "--state-metrics-port")
 
 
+def port_of(args: argparse.Namespace, option: str, i: int) -> int:
+    """Process ``i``'s port for ``option`` (one of :data:`PORT_OPTIONS`)."""
+    return getattr(args, option[2:].replace("-", "_")) + i * PORT_STRIDE
+
+
 def process_argv(args: argparse.Namespace, argv: list[str], i: int, processes: int) -> list[str]:
     """Process ``i``'s hift-serve options: the supervisor's, with its own ports, stream share and Triton log (later
     options win in argparse, so they are appended)."""
     own = ["--processes", "1"]
     for option in PORT_OPTIONS:
-        own += [option, str(getattr(args, option[2:].replace("-", "_")) + i * PORT_STRIDE)]
+        own += [option, str(port_of(args, option, i))]
     if args.max_streams is not None:
         own += ["--max-streams", str(-(-args.max_streams // processes))]
     if args.triton_log:
@@ -40,57 +44,46 @@ def process_argv(args: argparse.Namespace, argv: list[str], i: int, processes: i
 
 def ports_of(args: argparse.Namespace, processes: int) -> dict[str, int]:
     """Every port the processes will listen on, named by option and process (for the busy-port check)."""
-    return {f"{option}{f' + {i * PORT_STRIDE} (process {i})' if i else ''}":
-            getattr(args, option[2:].replace("-", "_")) + i * PORT_STRIDE
+    return {f"{option}{f' + {i * PORT_STRIDE} (process {i})' if i else ''}": port_of(args, option, i)
             for i in range(processes) for option in PORT_OPTIONS}
 
 
 def serve_processes(args: argparse.Namespace, argv: list[str]) -> int:
     """Start ``args.processes`` hift-serve processes, relay their lines (prefixed ``[i]``), say one ready line once
     every one is ready, pass SIGTERM/Ctrl-C on; if one stops on its own, stop the others and return its status."""
+    from .server import stop_processes, stop_signals_recorded
+
     n = args.processes
-    stopping: list[int] = []
-    handlers = {sig: signal.signal(sig, lambda signum, _frame: stopping.append(signum))
-                for sig in (signal.SIGTERM, signal.SIGINT)}
     ready = [threading.Event() for _ in range(n)]
     children: list[subprocess.Popen] = []
     relays: list[threading.Thread] = []
     try:
-        for i in range(n):
-            child = subprocess.Popen([sys.executable, "-m", "hift_runtime.server", *process_argv(args, argv, i, n)],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
-                                     start_new_session=True)  # our signals reach them through us, in order
-            children.append(child)
-            relays.append(threading.Thread(target=_relay, args=(child.stdout, i, ready[i]), daemon=True))
-            relays[-1].start()
-        announced = False
-        while not stopping and all(c.poll() is None for c in children):
-            if not announced and all(e.is_set() for e in ready):
-                print(processes_ready_line(args, n), flush=True)
-                announced = True
-            time.sleep(0.2)
-        status = 0
-        if not stopping:  # one stopped on its own: its status, the others stopped
-            first = next(c for c in children if c.poll() is not None)
-            status = first.returncode or 1
-            print(f"hift-serve: error: process {children.index(first)} exited with status {first.returncode}"
-                  f"{'' if announced else ' before every process was ready'}; stopping the others",
-                  file=sys.stderr, flush=True)
-        for child in children:
-            if child.poll() is None:
-                child.terminate()
-        for child in children:
-            try:
-                child.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
-        for relay in relays:
-            relay.join(timeout=5)
-        return status if status or stopping else 0
+        with stop_signals_recorded() as stopping:
+            for i in range(n):
+                child = subprocess.Popen([sys.executable, "-m", "hift_runtime.server", *process_argv(args, argv, i, n)],
+                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+                                         start_new_session=True)  # our signals reach them through us, in order
+                children.append(child)
+                relays.append(threading.Thread(target=_relay, args=(child.stdout, i, ready[i]), daemon=True))
+                relays[-1].start()
+            announced = False
+            while not stopping and all(c.poll() is None for c in children):
+                if not announced and all(e.is_set() for e in ready):
+                    print(processes_ready_line(args, n), flush=True)
+                    announced = True
+                time.sleep(0.2)
+            status = 0
+            if not stopping:  # one stopped on its own: its status, the others stopped
+                first = next(c for c in children if c.poll() is not None)
+                status = first.returncode or 1
+                print(f"hift-serve: error: process {children.index(first)} exited with status {first.returncode}"
+                      f"{'' if announced else ' before every process was ready'}; stopping the others",
+                      file=sys.stderr, flush=True)
+            stop_processes(children, timeout_s=90)
+            for relay in relays:
+                relay.join(timeout=5)
+            return status
     finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
         for child in children:
             if child.poll() is None:
                 child.kill()
@@ -106,7 +99,7 @@ def _relay(lines: Any, i: int, ready: threading.Event) -> None:
 
 
 def processes_ready_line(args: argparse.Namespace, n: int) -> str:
-    grpc = ", ".join(f"{args.host}:{args.grpc_port + i * PORT_STRIDE}" for i in range(n))
+    grpc = ", ".join(f"{args.host}:{port_of(args, '--grpc-port', i)}" for i in range(n))
     return (f"hift-serve: model {args.model_name!r} ready in {n} processes: gRPC {grpc} (HTTP, metrics and server "
             f"state at each port + 10 x the process number, as in the lines above); every stream must reach the "
             f"process that started it: ShardedClient([...these gRPC addresses...]) or a load balancer hashing the "
