@@ -48,6 +48,9 @@ class InstantDevice:
     def new_caches(self, kind: str, batch: int = 1) -> Any:
         return object() if kind == "generator" else {s.name: s.zeros(batch) for s in self.c.f0_caches}
 
+    def use_noise_table(self, noise) -> None:
+        """Called where the device takes noise positions (``takes_noise_positions``): nothing to gather."""
+
     def f0_step(self, mel: np.ndarray, caches: Any) -> tuple[np.ndarray, Any]:
         return self._zeros(mel.shape[0], mel.shape[2] - self.c.f0_look_ahead), caches
 
@@ -63,9 +66,6 @@ class InstantPositionsDevice(InstantDevice):
 
     name = "instant-noise-positions"
     takes_noise_positions = True
-
-    def use_noise_table(self, noise) -> None:
-        pass
 
 
 class ModelledDevice(InstantDevice):
@@ -133,7 +133,6 @@ def modelled_vocoder(constants, device: InstantDevice, batched: bool, max_wait_s
     step_sizes, device.f0_step_sizes = STEP_SIZES[sizes]
     if sizes != "ort":
         device.takes_noise_positions = True
-        device.use_noise_table = lambda noise: None
     vocoder = StreamingVocoder(device, constants, step_sizes=step_sizes)
     if batched:
         vocoder.scheduler = PushScheduler(device, max_batch=256, max_wait_s=max_wait_s,
