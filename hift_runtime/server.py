@@ -96,6 +96,11 @@ def shared_libpython_env(env: MutableMapping[str, str] = os.environ, extra: Sequ
         env["LD_LIBRARY_PATH"] = os.pathsep.join(paths)
 
 
+# A server process's threads hand work to each other (Triton's or PyTriton's request thread, the stream table's event
+# loop, the push scheduler, the device thread, the replier): a short GIL switch interval keeps each hand-off from
+# waiting up to Python's default 5 ms. Set by both front ends.
+HANDOFF_SWITCH_INTERVAL_S = 0.0005
+
 # ``--frontend python-backend``: the function Triton's Python-backend model opens the runtime with (None: the
 # module's default, this module's open_table); benchmarks/modelled_server.py names a stand-in device's.
 PYTHON_BACKEND_OPENER: str | None = None
@@ -318,10 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"hift-serve: error: {exc}", file=sys.stderr)
         return 2
     shared_libpython_env()
-    # Several threads hand work to each other here (PyTriton's proxy, the stream table's event loop, the push
-    # scheduler, the device thread): a short GIL switch interval keeps each hand-off from waiting up to Python's
-    # default 5 ms.
-    sys.setswitchinterval(0.0005)
+    sys.setswitchinterval(HANDOFF_SWITCH_INTERVAL_S)
     logging.getLogger("pytriton").setLevel(logging.WARNING)
     log_file = Path(args.triton_log or Path(tempfile.gettempdir()) / f"hift-serve-{os.getpid()}.triton.log")
     config = TritonConfig(http_address=args.host, http_port=args.http_port, grpc_address=args.host,

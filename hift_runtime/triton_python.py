@@ -159,13 +159,11 @@ class TritonPythonModel:
 
         import triton_python_backend_utils  # present inside Triton's Python backend only
 
-        from .server import _parser
+        from .server import HANDOFF_SWITCH_INTERVAL_S, _parser
         from .server_metrics import serve_state_metrics
 
         self._pb = triton_python_backend_utils
-        # Threads hand work to each other here too (Triton's stub thread, the table's loop, the scheduler, the device
-        # thread, the replier): a short GIL switch interval, as hift-serve's own process sets.
-        sys.setswitchinterval(0.0005)
+        sys.setswitchinterval(HANDOFF_SWITCH_INTERVAL_S)
         parameters = json.loads(args["model_config"])["parameters"]
         options = _parser().parse_args(json.loads(parameters["hift_serve_argv"]["string_value"]))
         module, function = parameters["hift_serve_opener"]["string_value"].split(":")
