@@ -192,7 +192,14 @@ def main() -> None:
                         "the scheduler), asyncio (one event loop's tasks, apush into the scheduler)")
     p.add_argument("--noise-positions", action="store_true",
                    help="the device takes noise positions, not rows (the compiled engine's host path)")
+    p.add_argument("--malloc", choices=("tuned", "default"), default="tuned",
+                   help="tuned: the allocator thresholds hift-serve and hift-vocode set (hift_runtime.allocator); "
+                        "default: glibc's own (run both to see what they are worth)")
     args = p.parse_args()
+    from hift_runtime.allocator import keep_freed_memory
+
+    if args.malloc == "tuned" and not keep_freed_memory():
+        p.error("--malloc tuned: mallopt is not available here (not glibc, or HIFT_MALLOC_TUNING=0)")
     from hift_runtime.manifest import read_manifest
     from hift_runtime.streaming import StreamConstants
 
@@ -205,7 +212,8 @@ def main() -> None:
         for k in [int(x) for x in args.ks.split(",")]:
             rates = [pushes_per_second(constants, k, mode, args.noise_positions)
                      for _ in range(args.repeats)]
-            row = {"mode": mode, "k": k, "noise": "positions" if args.noise_positions else "rows", "pushes_per_s_median": round(float(np.median(rates))),
+            row = {"mode": mode, "k": k, "noise": "positions" if args.noise_positions else "rows",
+                   "malloc": args.malloc, "pushes_per_s_median": round(float(np.median(rates))),
                    "pushes_per_s_p95_low": round(float(np.percentile(rates, 5))),
                    "realtime_streams_bound": round(float(np.median(rates)) / (24000 / (CHUNK * 480)))}
             result["runs"].append(row)

@@ -416,6 +416,7 @@ def main() -> None:
     if hasattr(ort, "preload_dlls"):
         ort.preload_dlls()
     from hift_runtime import CudaOptions, open_vocoder
+    from hift_runtime.allocator import keep_freed_memory
 
     result: dict[str, Any] = {"when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                               "onnxruntime": ort.__version__, "seconds_per_stream": args.seconds,
@@ -423,6 +424,7 @@ def main() -> None:
                               "benchmarks/load_test.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items()),
                               "configs": {}}
     ks = [int(x) for x in args.ks.split(",")]
+    keep_freed_memory()  # as hift-serve's processes do: in-process and served alike
     if args.switch_interval_ms:
         import sys
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from .allocator import keep_freed_memory
 from .argparsing import OneLineArgumentParser
 from .audio_io import SUBTYPES, AudioFormatError, check_audio_path, read_mel, write_audio
 from .manifest import ArtifactError
@@ -136,6 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     say = (lambda *a, **k: None) if args.quiet else print
     _one_line_warnings()
+    keep_freed_memory()
     out = Path(args.out)
     try:
         check_audio_path(out, args.subtype)

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from . import wire
+from .allocator import keep_freed_memory
 from .argparsing import OneLineArgumentParser, gpu_ids
 from .manifest import ArtifactError
 from .noise import NoiseTableError
@@ -317,6 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return serve_processes(args, argv)
     if args.frontend == "python-backend":
         return serve_python_backend(args, argv, PYTHON_BACKEND_OPENER)
+    keep_freed_memory()
     try:
         vocoder, table = open_table(args)
     except (ArtifactError, NoiseTableError, OSError, ValueError) as exc:

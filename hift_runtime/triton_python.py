@@ -159,11 +159,13 @@ class TritonPythonModel:
 
         import triton_python_backend_utils  # present inside Triton's Python backend only
 
+        from .allocator import keep_freed_memory
         from .server import HANDOFF_SWITCH_INTERVAL_S, _parser
         from .server_metrics import serve_state_metrics
 
         self._pb = triton_python_backend_utils
         sys.setswitchinterval(HANDOFF_SWITCH_INTERVAL_S)
+        keep_freed_memory()
         parameters = json.loads(args["model_config"])["parameters"]
         options = _parser().parse_args(json.loads(parameters["hift_serve_argv"]["string_value"]))
         module, function = parameters["hift_serve_opener"]["string_value"].split(":")

@@ -446,3 +446,19 @@ def test_the_scheduler_waits_for_partners_only_while_streams_may_still_come(cpu)
         took = time.monotonic() - started
         assert (took >= 0.09) if waits else (took < 0.09), (others, took)
         vocoder.close()
+
+
+def test_the_allocator_thresholds_apply_and_can_be_turned_off():
+    """hift-serve and hift-vocode raise glibc's thresholds (fewer page faults a push); HIFT_MALLOC_TUNING=0 leaves the
+    allocator alone. In child processes: the thresholds are process-wide."""
+    import os
+    import subprocess
+    import sys
+
+    def applied(**env: str) -> str:
+        code = "from hift_runtime.allocator import keep_freed_memory; print(keep_freed_memory())"
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                              env={**os.environ, **env}).stdout.strip()
+
+    assert applied() == "True"
+    assert applied(HIFT_MALLOC_TUNING="0") == "False"
