@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import gc
 import json
 import threading
 import time
@@ -181,6 +182,23 @@ def pushes_per_second(constants, k: int, mode: str, noise_positions: bool = Fals
     return k * CHUNKS / wall
 
 
+class FullCollections:
+    """The duration of every full (generation 2) garbage collection from now on: each holds the GIL throughout."""
+
+    def __init__(self) -> None:
+        self.ms: list[float] = []
+        self._started = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.ms.append((time.perf_counter() - self._started) * 1e3)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--artifacts", required=True, help="an export folder (only its manifest is read)")
@@ -193,10 +211,16 @@ def main() -> None:
     p.add_argument("--noise-positions", action="store_true",
                    help="the device takes noise positions, not rows (the compiled engine's host path)")
     p.add_argument("--malloc", choices=("tuned", "default"), default="tuned",
-                   help="tuned: the allocator thresholds hift-serve and hift-vocode set (hift_runtime.allocator); "
+                   help="tuned: the allocator thresholds hift-serve and hift-vocode set (hift_runtime.process_tuning); "
                         "default: glibc's own (run both to see what they are worth)")
+    p.add_argument("--server-heap", action="store_true",
+                   help="first open the compiled engine on the CPU (torch, dynamo): the ~300 k long-lived objects a "
+                        "GPU server process holds, which every full garbage collection walks")
+    p.add_argument("--gc-freeze", choices=("on", "off"), default="on",
+                   help="on: freeze the objects alive before the runs, as hift-serve does once warm "
+                        "(hift_runtime.process_tuning.freeze_startup_objects); off: the collector's default")
     args = p.parse_args()
-    from hift_runtime.allocator import keep_freed_memory
+    from hift_runtime.process_tuning import keep_freed_memory
 
     if args.malloc == "tuned" and not keep_freed_memory():
         p.error("--malloc tuned: mallopt is not available here (not glibc, or HIFT_MALLOC_TUNING=0)")
@@ -205,15 +229,28 @@ def main() -> None:
 
     manifest = read_manifest(args.artifacts, verify=None)
     constants = StreamConstants.from_manifest(manifest.config, manifest.step)
+    heap = None
+    if args.server_heap:
+        from hift_runtime import open_vocoder
+
+        heap = open_vocoder(args.artifacts, device="cpu", engine="compiled")  # kept open: its objects stay alive
+    if args.gc_freeze == "on":
+        from hift_runtime.process_tuning import freeze_startup_objects
+
+        freeze_startup_objects()
+    pauses = FullCollections()
     result: dict[str, Any] = {"when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                               "command": "python benchmarks/host_path.py " + " ".join(
                                   f"--{k} {v}" for k, v in vars(args).items()), "runs": []}
     for mode in args.modes.split(","):
         for k in [int(x) for x in args.ks.split(",")]:
+            pauses.ms.clear()
             rates = [pushes_per_second(constants, k, mode, args.noise_positions)
                      for _ in range(args.repeats)]
             row = {"mode": mode, "k": k, "noise": "positions" if args.noise_positions else "rows",
-                   "malloc": args.malloc, "pushes_per_s_median": round(float(np.median(rates))),
+                   "malloc": args.malloc, "server_heap": heap is not None, "gc_freeze": args.gc_freeze,
+                   "full_collections": len(pauses.ms), "full_collection_max_ms": round(max(pauses.ms, default=0), 1),
+                   "pushes_per_s_median": round(float(np.median(rates))),
                    "pushes_per_s_p95_low": round(float(np.percentile(rates, 5))),
                    "realtime_streams_bound": round(float(np.median(rates)) / (24000 / (CHUNK * 480)))}
             result["runs"].append(row)

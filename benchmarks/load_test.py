@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as dt
+import gc
 import json
 import os
 import subprocess
@@ -416,7 +417,7 @@ def main() -> None:
     if hasattr(ort, "preload_dlls"):
         ort.preload_dlls()
     from hift_runtime import CudaOptions, open_vocoder
-    from hift_runtime.allocator import keep_freed_memory
+    from hift_runtime.process_tuning import freeze_startup_objects, keep_freed_memory
 
     result: dict[str, Any] = {"when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                               "onnxruntime": ort.__version__, "seconds_per_stream": args.seconds,
@@ -467,6 +468,8 @@ def main() -> None:
             t1 = time.perf_counter()
             run_k(vocoder, 1, args.seconds)
             warm_stream_s = round(time.perf_counter() - t1, 2)
+        if name != "served":
+            freeze_startup_objects()  # as hift-serve does once warm
         rows: list[dict[str, Any]] = []
         result["configs"][name] = {"open_and_warmup_s": round(time.perf_counter() - t0, 1),
                                    "warm_stream_s": warm_stream_s, "parity_max_abs_vs_cpu": parity,
@@ -489,6 +492,7 @@ def main() -> None:
                     break
         finally:  # a served config's server never outlives the script
             vocoder.close()
+            gc.unfreeze()  # this config's objects become collectable again
         # Streams served within the bound (past --max-streams, the refused ones are not among them).
         kept = [r["streams_served"] for r in rows if r["push_p95_ms"] <= P95_BOUND_MS and not r["errors"]]
         result["configs"][name]["max_realtime_streams_at_p95_bound"] = max(kept, default=0)

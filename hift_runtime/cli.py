@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .allocator import keep_freed_memory
+from .process_tuning import keep_freed_memory
 from .argparsing import OneLineArgumentParser
 from .audio_io import SUBTYPES, AudioFormatError, check_audio_path, read_mel, write_audio
 from .manifest import ArtifactError

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from . import wire
-from .allocator import keep_freed_memory
+from .process_tuning import freeze_startup_objects, keep_freed_memory
 from .argparsing import OneLineArgumentParser, gpu_ids
 from .manifest import ArtifactError
 from .noise import NoiseTableError
@@ -324,6 +324,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ArtifactError, NoiseTableError, OSError, ValueError) as exc:
         print(f"hift-serve: error: {exc}", file=sys.stderr)
         return 2
+    freeze_startup_objects()  # warm: what lives now lives as long as the server
     shared_libpython_env()
     sys.setswitchinterval(HANDOFF_SWITCH_INTERVAL_S)
     logging.getLogger("pytriton").setLevel(logging.WARNING)
