@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import gc
 import json
 import threading
 import time
@@ -182,23 +181,6 @@ def pushes_per_second(constants, k: int, mode: str, noise_positions: bool = Fals
     return k * CHUNKS / wall
 
 
-class FullCollections:
-    """The duration of every full (generation 2) garbage collection from now on: each holds the GIL throughout."""
-
-    def __init__(self) -> None:
-        self.ms: list[float] = []
-        self._started = 0.0
-        gc.callbacks.append(self._callback)
-
-    def _callback(self, phase: str, info: dict[str, Any]) -> None:
-        if info["generation"] != 2:
-            return
-        if phase == "start":
-            self._started = time.perf_counter()
-        else:
-            self.ms.append((time.perf_counter() - self._started) * 1e3)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--artifacts", required=True, help="an export folder (only its manifest is read)")
@@ -238,18 +220,20 @@ def main() -> None:
         from hift_runtime.process_tuning import freeze_startup_objects
 
         freeze_startup_objects()
-    pauses = FullCollections()
+    from hift_runtime.process_tuning import FullCollectionPauses
+
+    pauses = FullCollectionPauses()
     result: dict[str, Any] = {"when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                               "command": "python benchmarks/host_path.py " + " ".join(
                                   f"--{k} {v}" for k, v in vars(args).items()), "runs": []}
     for mode in args.modes.split(","):
         for k in [int(x) for x in args.ks.split(",")]:
-            pauses.ms.clear()
+            pauses.reset()
             rates = [pushes_per_second(constants, k, mode, args.noise_positions)
                      for _ in range(args.repeats)]
             row = {"mode": mode, "k": k, "noise": "positions" if args.noise_positions else "rows",
                    "malloc": args.malloc, "server_heap": heap is not None, "gc_freeze": args.gc_freeze,
-                   "full_collections": len(pauses.ms), "full_collection_max_ms": round(max(pauses.ms, default=0), 1),
+                   "full_collections": pauses.count, "full_collection_max_ms": round(pauses.max_s * 1e3, 1),
                    "pushes_per_s_median": round(float(np.median(rates))),
                    "pushes_per_s_p95_low": round(float(np.percentile(rates, 5))),
                    "realtime_streams_bound": round(float(np.median(rates)) / (24000 / (CHUNK * 480)))}

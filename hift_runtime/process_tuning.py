@@ -24,6 +24,8 @@ import gc
 import ctypes.util
 import logging
 import os
+import threading
+import time
 
 log = logging.getLogger("hift_runtime")
 
@@ -67,3 +69,31 @@ def freeze_startup_objects() -> bool:
     gc.collect()
     gc.freeze()
     return True
+
+
+class FullCollectionPauses:
+    """Times every full (generation 2) garbage collection of this process from its creation: each holds the GIL
+    throughout, so its length is a stall of every stream. ``count``, ``total_s``, ``max_s``; :meth:`reset` starts
+    over (a benchmark's run)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._started = 0.0
+        self.reset()
+        gc.callbacks.append(self._callback)
+
+    def reset(self) -> None:
+        with self._lock:
+            self.count, self.total_s, self.max_s = 0, 0.0, 0.0
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        pause = time.perf_counter() - self._started
+        with self._lock:
+            self.count += 1
+            self.total_s += pause
+            self.max_s = max(self.max_s, pause)

@@ -1,12 +1,14 @@
 """The server's own state as Prometheus metrics, on a port beside Triton's (``hift-serve --state-metrics-port``).
 
 Triton's endpoint counts requests, batches and queue time per model; what it cannot see is ours: open streams,
-requests refused by reason, streams expired, the step batches the scheduler formed, and how busy each device was.
+requests refused by reason, streams expired, the step batches the scheduler formed, how busy each device was, and
+the full garbage collections (each stalls every stream of the process while it runs; see :mod:`.process_tuning`).
 Everything is read from the live objects at scrape time (no hooks in the request path).
 """
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -14,6 +16,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from .process_tuning import FullCollectionPauses
 from .serving import StreamTable
 
 
@@ -31,6 +34,7 @@ class ServerStateCollector:
     def __init__(self, table: StreamTable) -> None:
         self.table = table
         self.started = time.monotonic()
+        self.pauses = FullCollectionPauses()
 
     def collect(self) -> Iterator[Any]:
         table = self.table
@@ -62,6 +66,14 @@ class ServerStateCollector:
             busy.add_metric([device], stats.busy_s)
             share.add_metric([device], min(1.0, stats.busy_s / uptime))
         yield from (calls, batches, largest, busy, share)
+        yield CounterMetricFamily("hift_gc_full_collections", "full garbage collections since the metrics started",
+                                  value=self.pauses.count)
+        yield CounterMetricFamily("hift_gc_full_collection_seconds", "seconds inside full garbage collections (every "
+                                  "stream of the process waits through them)", value=self.pauses.total_s)
+        yield GaugeMetricFamily("hift_gc_full_collection_max_seconds", "the longest full garbage collection",
+                                value=self.pauses.max_s)
+        yield GaugeMetricFamily("hift_gc_frozen_objects", "objects frozen once warm, never walked by a collection "
+                                "(0: HIFT_GC_FREEZE=0)", value=gc.get_freeze_count())
 
 
 def serve_state_metrics(table: StreamTable, port: int, address: str = "127.0.0.1") -> Any:
