@@ -36,6 +36,9 @@ from bench_step import synthetic_mel  # one synthetic mel for every benchmark (s
 CHUNK = 24
 PERIOD_S = CHUNK * 480 / 24000
 P95_BOUND_MS = 240.0
+# Times this process's full garbage collections (hift_runtime.process_tuning.FullCollectionPauses; made in main(), once
+# hift_runtime may be imported).
+FULL_COLLECTIONS: Any = None
 # What the runtime's OverloadError says, in-process and through the server's ``error`` alike (streaming.py).
 OVERLOAD_MESSAGE = "the limit (max_streams="
 
@@ -83,6 +86,7 @@ class _Served:
         self.processes: list[subprocess.Popen] = []
         self.logs: list[Path] = []
         self.metrics_urls: list[str] = []
+        self.state_urls: list[str] = []
         self.grpc_urls: list[str] = []
         for n in range(processes):
             ports = []
@@ -101,6 +105,7 @@ class _Served:
                  "--frontend", frontend, *(["--max-streams", str(max_streams)] if max_streams else [])],
                 stdout=server_log.open("w"), stderr=subprocess.STDOUT, env=env))
             self.metrics_urls.append(f"http://127.0.0.1:{ports[2]}/metrics")
+            self.state_urls.append(f"http://127.0.0.1:{ports[3]}/metrics")
             self.grpc_urls.append(f"127.0.0.1:{ports[1]}")
         deadline = time.monotonic() + 900  # a cold compile of the compiled engine takes minutes
         for process, server_log in zip(self.processes, self.logs):
@@ -139,6 +144,19 @@ class _Served:
                 total[key] = total.get(key, 0.0) + get(name)
         return total
 
+    def full_collections(self) -> tuple[float, float]:
+        """The servers' full garbage collections so far (summed) and the longest (ms), from their state metrics."""
+        import urllib.request
+
+        count, longest = 0.0, 0.0
+        for url in self.state_urls:
+            for line in urllib.request.urlopen(url, timeout=10).read().decode().splitlines():
+                if line.startswith("hift_gc_full_collections_total "):
+                    count += float(line.split()[1])
+                elif line.startswith("hift_gc_full_collection_max_seconds "):
+                    longest = max(longest, float(line.split()[1]) * 1e3)
+        return count, longest
+
     def close(self) -> None:
         for pool in getattr(self, "clients", []):
             for c in pool:
@@ -170,6 +188,8 @@ def run_k(vocoder, k: int, seconds: float, clients: str = "threads") -> dict[str
     frames = int(seconds * 50)
     before = _counters(vocoder)
     triton_before = vocoder.batches() if isinstance(vocoder, _Served) else None
+    collections_before = vocoder.full_collections()[0] if isinstance(vocoder, _Served) else 0.0
+    FULL_COLLECTIONS.reset()
     mel = synthetic_mel(frames)
     lat: list[float] = []
     call_lat: list[float] = []  # the same pushes from the call (the client's lateness in starting one left out)
@@ -274,6 +294,10 @@ def run_k(vocoder, k: int, seconds: float, clients: str = "threads") -> dict[str
     this_run = None if after is None or before is None else {
         kind: [round(v - w, 4) for v, w in zip(after[kind], before.get(kind, [0, 0, 0.0]))] for kind in after}
     served = vocoder.batches() if isinstance(vocoder, _Served) else None
+    # Full garbage collections (each a stall of every stream of its process): this run's count; the longest of this
+    # run in process, since the servers started when served.
+    collections, longest_ms = (vocoder.full_collections() if isinstance(vocoder, _Served)
+                               else (FULL_COLLECTIONS.count, FULL_COLLECTIONS.max_s * 1e3))
     return {"k": k, "push_p50_ms": round(float(np.percentile(a, 50)), 2),
             "push_p95_ms": round(float(np.percentile(a, 95)), 2), "push_p99_ms": round(float(np.percentile(a, 99)), 2),
             "push_call_p50_ms": round(float(np.percentile(c, 50)), 2),
@@ -284,6 +308,7 @@ def run_k(vocoder, k: int, seconds: float, clients: str = "threads") -> dict[str
             "errors": len(errors), "first_error": errors[0] if errors else None,
             "refused_streams": refused[0], "streams_served": len(first),
             "gpu_memory_mb": gpu_memory_mb(), "max_batch": getattr(stats, "max_batch", 1),
+            "gc_full_collections": collections - collections_before, "gc_full_collection_max_ms": round(longest_ms, 1),
             **({"batcher_this_run": {"calls_batches_busy_s_by_kind": this_run}} if this_run is not None else {}),
             **({"triton_total": served, "triton_this_run": triton_this_run(triton_before or {}, served)}
                if served else {}),
@@ -417,7 +442,10 @@ def main() -> None:
     if hasattr(ort, "preload_dlls"):
         ort.preload_dlls()
     from hift_runtime import CudaOptions, open_vocoder
-    from hift_runtime.process_tuning import freeze_startup_objects, keep_freed_memory
+    from hift_runtime.process_tuning import FullCollectionPauses, freeze_startup_objects, keep_freed_memory
+
+    global FULL_COLLECTIONS
+    FULL_COLLECTIONS = FullCollectionPauses()
 
     result: dict[str, Any] = {"when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                               "onnxruntime": ort.__version__, "seconds_per_stream": args.seconds,
