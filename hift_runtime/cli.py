@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from .process_tuning import keep_freed_memory
 from .argparsing import OneLineArgumentParser
 from .audio_io import SUBTYPES, AudioFormatError, check_audio_path, read_mel, write_audio
 from .manifest import ArtifactError
 from .noise import NoiseTableError
+from .process_tuning import keep_freed_memory
 from .streaming import MelError, StreamError, StreamingVocoder, validate_mel
 from .wire import ServerError
 

@@ -9,9 +9,9 @@ the trim threshold of freed memory per allocator arena instead of returning it (
 
 **The garbage collector** (:func:`freeze_startup_objects`). A process with torch and a compiled engine holds ~300 k
 objects that live as long as it does; each full (generation 2) collection walks them all while holding the GIL,
-stalling every stream: 77-111 ms a collection on 2 cores, and a loaded run triggers one every few seconds. Frozen
-after warmup, they are never walked again (the same run: 2-18 ms a full collection). Objects created later are
-collected as before.
+stalling every stream: 111-143 ms a collection on the H200 host (81-128 ms on 2 cores), one every ~2 s at K = 1 024
+(``benchmarks/host_path.py --server-heap --gc-freeze off``). Frozen after warmup, they are never walked again (6-20 ms
+a full collection). Objects created later are collected as before.
 
 Applied by the entry points that run streams (``hift-serve`` in each of its processes, the benchmarks; ``hift-vocode``
 the allocator's only), not by importing the library: an embedding application owns its process.
@@ -20,8 +20,8 @@ the allocator's only), not by importing the library: an embedding application ow
 from __future__ import annotations
 
 import ctypes
-import gc
 import ctypes.util
+import gc
 import logging
 import os
 import threading
@@ -36,14 +36,14 @@ _M_MMAP_THRESHOLD = -3
 # (2-12 MB) come from the heap and are reused. 256 MiB of freed memory kept per arena before it is trimmed.
 MMAP_THRESHOLD_BYTES = 32 << 20
 TRIM_THRESHOLD_BYTES = 256 << 20
-ENV_SWITCH = "HIFT_MALLOC_TUNING"
+MALLOC_ENV_SWITCH = "HIFT_MALLOC_TUNING"
 GC_ENV_SWITCH = "HIFT_GC_FREEZE"
 
 
 def keep_freed_memory() -> bool:
     """Raise glibc's mmap and trim thresholds for this process (see the module docstring). True when applied; False
     where the C library is not glibc, or ``HIFT_MALLOC_TUNING=0``."""
-    if os.environ.get(ENV_SWITCH, "1") == "0":
+    if os.environ.get(MALLOC_ENV_SWITCH, "1") == "0":
         return False
     name = ctypes.util.find_library("c")
     try:

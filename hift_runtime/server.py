@@ -28,10 +28,10 @@ from typing import Any
 import numpy as np
 
 from . import wire
-from .process_tuning import freeze_startup_objects, keep_freed_memory
 from .argparsing import OneLineArgumentParser, gpu_ids
 from .manifest import ArtifactError
 from .noise import NoiseTableError
+from .process_tuning import freeze_startup_objects, keep_freed_memory
 from .serving import MAX_CHUNK_FRAMES, ChunkReply, ChunkRequest, StreamTable
 from .sessions import nvidia_driver_present
 from .streaming import StreamingVocoder
