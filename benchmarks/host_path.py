@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import gc
 import json
 import threading
 import time
@@ -199,8 +200,11 @@ def main() -> None:
                    help="first open the compiled engine on the CPU (torch, dynamo): the ~300 k long-lived objects a "
                         "GPU server process holds, which every full garbage collection walks")
     p.add_argument("--gc-freeze", choices=("on", "off"), default="on",
-                   help="on: freeze the objects alive before the runs, as hift-serve does once warm "
-                        "(hift_runtime.process_tuning.freeze_startup_objects); off: the collector's default")
+                   help="on: freeze the objects alive before the runs and set the young generation's threshold, as "
+                        "hift-serve does once warm (hift_runtime.process_tuning.tune_garbage_collector); off: the "
+                        "collector's defaults")
+    p.add_argument("--gc-young-threshold", type=int, default=None,
+                   help="with --gc-freeze on: the young generation's threshold (default: hift-serve's)")
     args = p.parse_args()
     from hift_runtime.process_tuning import keep_freed_memory
 
@@ -217,9 +221,9 @@ def main() -> None:
 
         heap = open_vocoder(args.artifacts, device="cpu", engine="compiled")  # kept open: its objects stay alive
     if args.gc_freeze == "on":
-        from hift_runtime.process_tuning import freeze_startup_objects
+        from hift_runtime.process_tuning import YOUNG_COLLECTION_THRESHOLD, tune_garbage_collector
 
-        freeze_startup_objects()
+        tune_garbage_collector(args.gc_young_threshold or YOUNG_COLLECTION_THRESHOLD)
     from hift_runtime.process_tuning import FullCollectionPauses
 
     pauses = FullCollectionPauses()
@@ -233,6 +237,7 @@ def main() -> None:
                      for _ in range(args.repeats)]
             row = {"mode": mode, "k": k, "noise": "positions" if args.noise_positions else "rows",
                    "malloc": args.malloc, "server_heap": heap is not None, "gc_freeze": args.gc_freeze,
+                   "gc_young_threshold": gc.get_threshold()[0],
                    "full_collections": pauses.count, "full_collection_max_ms": round(pauses.max_s * 1e3, 1),
                    "pushes_per_s_median": round(float(np.median(rates))),
                    "pushes_per_s_p95_low": round(float(np.percentile(rates, 5))),

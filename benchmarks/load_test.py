@@ -442,7 +442,7 @@ def main() -> None:
     if hasattr(ort, "preload_dlls"):
         ort.preload_dlls()
     from hift_runtime import CudaOptions, open_vocoder
-    from hift_runtime.process_tuning import FullCollectionPauses, freeze_startup_objects, keep_freed_memory
+    from hift_runtime.process_tuning import FullCollectionPauses, keep_freed_memory, tune_garbage_collector
 
     global FULL_COLLECTIONS
     FULL_COLLECTIONS = FullCollectionPauses()
@@ -497,7 +497,7 @@ def main() -> None:
             run_k(vocoder, 1, args.seconds)
             warm_stream_s = round(time.perf_counter() - t1, 2)
         if name != "served":
-            freeze_startup_objects()  # as hift-serve does once warm
+            tune_garbage_collector()  # as hift-serve does once warm
         rows: list[dict[str, Any]] = []
         result["configs"][name] = {"open_and_warmup_s": round(time.perf_counter() - t0, 1),
                                    "warm_stream_s": warm_stream_s, "parity_max_abs_vs_cpu": parity,

@@ -31,7 +31,7 @@ from . import wire
 from .argparsing import OneLineArgumentParser, gpu_ids
 from .manifest import ArtifactError
 from .noise import NoiseTableError
-from .process_tuning import freeze_startup_objects, keep_freed_memory
+from .process_tuning import keep_freed_memory, tune_garbage_collector
 from .serving import MAX_CHUNK_FRAMES, ChunkReply, ChunkRequest, StreamTable
 from .sessions import nvidia_driver_present
 from .streaming import StreamingVocoder
@@ -325,7 +325,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ArtifactError, NoiseTableError, OSError, ValueError) as exc:
         print(f"hift-serve: error: {exc}", file=sys.stderr)
         return 2
-    freeze_startup_objects()  # warm: what lives now lives as long as the server
+    tune_garbage_collector()  # warm: what lives now lives as long as the server
     shared_libpython_env()
     sys.setswitchinterval(HANDOFF_SWITCH_INTERVAL_S)
     logging.getLogger("pytriton").setLevel(logging.WARNING)

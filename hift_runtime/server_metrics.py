@@ -73,7 +73,7 @@ class ServerStateCollector:
         yield GaugeMetricFamily("hift_gc_full_collection_max_seconds", "the longest full garbage collection",
                                 value=self.pauses.max_s)
         yield GaugeMetricFamily("hift_gc_frozen_objects", "objects frozen once warm, never walked by a collection "
-                                "(0: HIFT_GC_FREEZE=0)", value=gc.get_freeze_count())
+                                "(0: HIFT_GC_TUNING=0)", value=gc.get_freeze_count())
 
 
 def serve_state_metrics(table: StreamTable, port: int, address: str = "127.0.0.1") -> Any:

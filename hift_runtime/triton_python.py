@@ -159,7 +159,7 @@ class TritonPythonModel:
 
         import triton_python_backend_utils  # present inside Triton's Python backend only
 
-        from .process_tuning import freeze_startup_objects, keep_freed_memory
+        from .process_tuning import keep_freed_memory, tune_garbage_collector
         from .server import HANDOFF_SWITCH_INTERVAL_S, _parser
         from .server_metrics import serve_state_metrics
 
@@ -170,7 +170,7 @@ class TritonPythonModel:
         options = _parser().parse_args(json.loads(parameters["hift_serve_argv"]["string_value"]))
         module, function = parameters["hift_serve_opener"]["string_value"].split(":")
         self.vocoder, self.table = getattr(importlib.import_module(module), function)(options)
-        freeze_startup_objects()  # warm: what lives now lives as long as the model
+        tune_garbage_collector()  # warm: what lives now lives as long as the model
         self.state_metrics = serve_state_metrics(self.table, options.state_metrics_port, options.host)
         self.rate = np.array([[self.vocoder.constants.sample_rate]], np.int32)
         self._replies: queue.SimpleQueue = queue.SimpleQueue()

@@ -450,18 +450,19 @@ def test_the_scheduler_waits_for_partners_only_while_streams_may_still_come(cpu)
 
 
 def test_the_process_tuning_applies_and_each_part_can_be_turned_off():
-    """hift-serve raises glibc's allocator thresholds (fewer page faults a push) and freezes what lives once it is warm
-    (full collections stop walking torch's objects); HIFT_MALLOC_TUNING=0 / HIFT_GC_FREEZE=0 leave each alone. In
-    child processes: both are process-wide."""
+    """hift-serve raises glibc's allocator thresholds (fewer page faults a push), and once warm freezes what lives (full
+    collections stop walking torch's objects) and raises the young generation's threshold; HIFT_MALLOC_TUNING=0 /
+    HIFT_GC_TUNING=0 leave each alone. In child processes: both are process-wide."""
     import os
     import subprocess
     import sys
 
     def applied(**env: str) -> str:
-        code = ("import gc; from hift_runtime.process_tuning import freeze_startup_objects, keep_freed_memory; "
-                "print(keep_freed_memory(), freeze_startup_objects(), gc.get_freeze_count() > 0)")
+        code = ("import gc; from hift_runtime.process_tuning import keep_freed_memory, tune_garbage_collector; "
+                "print(keep_freed_memory(), tune_garbage_collector(), gc.get_freeze_count() > 0, "
+                "gc.get_threshold()[0] == 10_000)")
         return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                               env={**os.environ, **env}).stdout.strip()
 
-    assert applied() == "True True True"
-    assert applied(HIFT_MALLOC_TUNING="0", HIFT_GC_FREEZE="0") == "False False False"
+    assert applied() == "True True True True"
+    assert applied(HIFT_MALLOC_TUNING="0", HIFT_GC_TUNING="0") == "False False False False"
