@@ -239,6 +239,9 @@ def main() -> None:
                    "malloc": args.malloc, "server_heap": heap is not None, "gc_freeze": args.gc_freeze,
                    "gc_young_threshold": gc.get_threshold()[0],
                    "full_collections": pauses.count, "full_collection_max_ms": round(pauses.max_s * 1e3, 1),
+                   "young_collections": pauses.young_count,
+                   "young_collection_ms_total": round(pauses.young_total_s * 1e3),
+                   "young_collection_max_ms": round(pauses.young_max_s * 1e3, 1),
                    "pushes_per_s_median": round(float(np.median(rates))),
                    "pushes_per_s_p95_low": round(float(np.percentile(rates, 5))),
                    "realtime_streams_bound": round(float(np.median(rates)) / (24000 / (CHUNK * 480)))}

@@ -79,9 +79,9 @@ def tune_garbage_collector(young_threshold: int = YOUNG_COLLECTION_THRESHOLD) ->
 
 
 class FullCollectionPauses:
-    """Times every full (generation 2) garbage collection of this process from its creation: each holds the GIL
-    throughout, so its length is a stall of every stream. ``count``, ``total_s``, ``max_s``; :meth:`reset` starts
-    over (a benchmark's run)."""
+    """Times every garbage collection of this process from its creation; each holds the GIL throughout, so its length
+    is a stall of every stream. Full (generation 2) ones: ``count``, ``total_s``, ``max_s``; young ones (generations 0
+    and 1): ``young_count``, ``young_total_s``, ``young_max_s``. :meth:`reset` starts over (a benchmark's run)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -92,15 +92,19 @@ class FullCollectionPauses:
     def reset(self) -> None:
         with self._lock:
             self.count, self.total_s, self.max_s = 0, 0.0, 0.0
+            self.young_count, self.young_total_s, self.young_max_s = 0, 0.0, 0.0
 
     def _callback(self, phase: str, info: dict[str, int]) -> None:
-        if info["generation"] != 2:
-            return
         if phase == "start":
             self._started = time.perf_counter()
             return
         pause = time.perf_counter() - self._started
         with self._lock:
-            self.count += 1
-            self.total_s += pause
-            self.max_s = max(self.max_s, pause)
+            if info["generation"] == 2:
+                self.count += 1
+                self.total_s += pause
+                self.max_s = max(self.max_s, pause)
+            else:
+                self.young_count += 1
+                self.young_total_s += pause
+                self.young_max_s = max(self.young_max_s, pause)
