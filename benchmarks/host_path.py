@@ -206,7 +206,8 @@ def main() -> None:
     p.add_argument("--gc-young-threshold", type=int, default=None,
                    help="with --gc-freeze on: the young generation's threshold (default: hift-serve's)")
     args = p.parse_args()
-    from hift_runtime.process_tuning import keep_freed_memory
+    from hift_runtime.process_tuning import (YOUNG_COLLECTION_THRESHOLD, CollectionPauses, keep_freed_memory,
+                                             tune_garbage_collector)
 
     if args.malloc == "tuned" and not keep_freed_memory():
         p.error("--malloc tuned: mallopt is not available here (not glibc, or HIFT_MALLOC_TUNING=0)")
@@ -221,12 +222,8 @@ def main() -> None:
 
         heap = open_vocoder(args.artifacts, device="cpu", engine="compiled")  # kept open: its objects stay alive
     if args.gc_freeze == "on":
-        from hift_runtime.process_tuning import YOUNG_COLLECTION_THRESHOLD, tune_garbage_collector
-
         tune_garbage_collector(args.gc_young_threshold or YOUNG_COLLECTION_THRESHOLD)
-    from hift_runtime.process_tuning import FullCollectionPauses
-
-    pauses = FullCollectionPauses()
+    pauses = CollectionPauses()
     result: dict[str, Any] = {"when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                               "command": "python benchmarks/host_path.py " + " ".join(
                                   f"--{k} {v}" for k, v in vars(args).items()), "runs": []}

@@ -32,13 +32,11 @@ from typing import Any
 
 import numpy as np
 from bench_step import synthetic_mel  # one synthetic mel for every benchmark (same folder)
+from host_path import STEP_SIZES  # the stand-in devices' step sizes (same folder)
 
 CHUNK = 24
 PERIOD_S = CHUNK * 480 / 24000
 P95_BOUND_MS = 240.0
-# Times this process's full garbage collections (hift_runtime.process_tuning.FullCollectionPauses; made in main(), once
-# hift_runtime may be imported).
-FULL_COLLECTIONS: Any = None
 # What the runtime's OverloadError says, in-process and through the server's ``error`` alike (streaming.py).
 OVERLOAD_MESSAGE = "the limit (max_streams="
 
@@ -182,14 +180,16 @@ def _counters(vocoder) -> dict[str, list[float]] | None:
     return None if stats is None else {kind: list(v) for kind, v in stats.by_kind.items()}
 
 
-def run_k(vocoder, k: int, seconds: float, clients: str = "threads") -> dict[str, Any]:
+def run_k(vocoder, k: int, seconds: float, clients: str = "threads", collections: Any = None) -> dict[str, Any]:
     """``clients``: ``threads`` (a thread per stream, ``push``) or ``asyncio`` (a task per stream on one event loop,
-    no thread per stream: ``apush`` in-process, :class:`~hift_runtime.client.AsyncServerClient` served)."""
+    no thread per stream: ``apush`` in-process, :class:`~hift_runtime.client.AsyncServerClient` served).
+    ``collections``: this process's garbage-collection timer, reported for in-process runs."""
     frames = int(seconds * 50)
     before = _counters(vocoder)
     triton_before = vocoder.batches() if isinstance(vocoder, _Served) else None
     collections_before = vocoder.full_collections()[0] if isinstance(vocoder, _Served) else 0.0
-    FULL_COLLECTIONS.reset()
+    if collections is not None:  # this process's garbage collections (hift_runtime.process_tuning.CollectionPauses)
+        collections.reset()
     mel = synthetic_mel(frames)
     lat: list[float] = []
     call_lat: list[float] = []  # the same pushes from the call (the client's lateness in starting one left out)
@@ -296,8 +296,8 @@ def run_k(vocoder, k: int, seconds: float, clients: str = "threads") -> dict[str
     served = vocoder.batches() if isinstance(vocoder, _Served) else None
     # Full garbage collections (each a stall of every stream of its process): this run's count; the longest of this
     # run in process, since the servers started when served.
-    collections, longest_ms = (vocoder.full_collections() if isinstance(vocoder, _Served)
-                               else (FULL_COLLECTIONS.count, FULL_COLLECTIONS.max_s * 1e3))
+    full, longest_ms = (vocoder.full_collections() if isinstance(vocoder, _Served)
+                        else (collections.count, collections.max_s * 1e3) if collections is not None else (0, 0.0))
     return {"k": k, "push_p50_ms": round(float(np.percentile(a, 50)), 2),
             "push_p95_ms": round(float(np.percentile(a, 95)), 2), "push_p99_ms": round(float(np.percentile(a, 99)), 2),
             "push_call_p50_ms": round(float(np.percentile(c, 50)), 2),
@@ -308,7 +308,7 @@ def run_k(vocoder, k: int, seconds: float, clients: str = "threads") -> dict[str
             "errors": len(errors), "first_error": errors[0] if errors else None,
             "refused_streams": refused[0], "streams_served": len(first),
             "gpu_memory_mb": gpu_memory_mb(), "max_batch": getattr(stats, "max_batch", 1),
-            "gc_full_collections": collections - collections_before, "gc_full_collection_max_ms": round(longest_ms, 1),
+            "gc_full_collections": full - collections_before, "gc_full_collection_max_ms": round(longest_ms, 1),
             **({"batcher_this_run": {"calls_batches_busy_s_by_kind": this_run}} if this_run is not None else {}),
             **({"triton_total": served, "triton_this_run": triton_this_run(triton_before or {}, served)}
                if served else {}),
@@ -416,7 +416,7 @@ def main() -> None:
     p.add_argument("--served-device-model", choices=["instant", "modelled", "echo"],
                    help="the served config over a stand-in device (modelled_server.py), any host: its host cost; "
                         "echo: no runtime at all (Triton and the front end alone)")
-    p.add_argument("--modelled-step-sizes", choices=["ort", "compiled", "compiled-f0-split"], default="ort",
+    p.add_argument("--modelled-step-sizes", choices=sorted(STEP_SIZES), default="ort",
                    help="step sizes of the modelled configs and a served stand-in: the ORT engine's (default), the "
                         "compiled engine's (F0 at every size up to 24, noise positions), or its generator sizes for "
                         "the F0 too")
@@ -442,10 +442,9 @@ def main() -> None:
     if hasattr(ort, "preload_dlls"):
         ort.preload_dlls()
     from hift_runtime import CudaOptions, open_vocoder
-    from hift_runtime.process_tuning import FullCollectionPauses, keep_freed_memory, tune_garbage_collector
+    from hift_runtime.process_tuning import CollectionPauses, keep_freed_memory, tune_garbage_collector
 
-    global FULL_COLLECTIONS
-    FULL_COLLECTIONS = FullCollectionPauses()
+    collections = CollectionPauses()
 
     result: dict[str, Any] = {"when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                               "onnxruntime": ort.__version__, "seconds_per_stream": args.seconds,
@@ -510,7 +509,7 @@ def main() -> None:
                                                                       "warmup_seconds", None)}
         try:
             for k in ks:
-                row = run_k(vocoder, k, args.seconds, args.clients)
+                row = run_k(vocoder, k, args.seconds, args.clients, collections)
                 rows.append(row)
                 print(name, json.dumps(row), flush=True)
                 Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

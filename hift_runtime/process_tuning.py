@@ -78,7 +78,7 @@ def tune_garbage_collector(young_threshold: int = YOUNG_COLLECTION_THRESHOLD) ->
     return True
 
 
-class FullCollectionPauses:
+class CollectionPauses:
     """Times every garbage collection of this process from its creation; each holds the GIL throughout, so its length
     is a stall of every stream. Full (generation 2) ones: ``count``, ``total_s``, ``max_s``; young ones (generations 0
     and 1): ``young_count``, ``young_total_s``, ``young_max_s``. :meth:`reset` starts over (a benchmark's run)."""

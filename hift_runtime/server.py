@@ -304,9 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from .server_processes import ports_of, serve_processes
 
-    busy = busy_port(args.host, ports_of(args, args.processes) if args.processes > 1 else
-                     {"--grpc-port": args.grpc_port, "--http-port": args.http_port,
-                      "--metrics-port": args.metrics_port, "--state-metrics-port": args.state_metrics_port})
+    busy = busy_port(args.host, ports_of(args, args.processes))  # one process: its four ports as given
     if busy:
         print(f"hift-serve: error: {busy}", file=sys.stderr)
         return 2

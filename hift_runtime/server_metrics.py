@@ -16,7 +16,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from .process_tuning import FullCollectionPauses
+from .process_tuning import CollectionPauses
 from .serving import StreamTable
 
 
@@ -34,7 +34,7 @@ class ServerStateCollector:
     def __init__(self, table: StreamTable) -> None:
         self.table = table
         self.started = time.monotonic()
-        self.pauses = FullCollectionPauses()
+        self.pauses = CollectionPauses()
 
     def collect(self) -> Iterator[Any]:
         table = self.table

@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 PORT_STRIDE = 10
-PORT_OPTIONS = ("--http-port", "--grpc-port", "--metrics-port", "--state-metrics-port")
+PORT_OPTIONS = ("--grpc-port", "--http-port", "--metrics-port", "--state-metrics-port")
 
 
 def port_of(args: argparse.Namespace, option: str, i: int) -> int:
@@ -101,6 +101,6 @@ def _relay(lines: Any, i: int, ready: threading.Event) -> None:
 def processes_ready_line(args: argparse.Namespace, n: int) -> str:
     grpc = ", ".join(f"{args.host}:{port_of(args, '--grpc-port', i)}" for i in range(n))
     return (f"hift-serve: model {args.model_name!r} ready in {n} processes: gRPC {grpc} (HTTP, metrics and server "
-            f"state at each port + 10 x the process number, as in the lines above); every stream must reach the "
+            f"state at each port + {PORT_STRIDE} x the process number, as in the lines above); every stream must reach the "
             f"process that started it: ShardedClient([...these gRPC addresses...]) or a load balancer hashing the "
             f"'hift-stream-id' header")
