@@ -292,13 +292,10 @@ def _live_server(small_artifacts, tmp_path_factory, options: list[str], processe
 
 
 def _all_free(ports: list[int]) -> bool:
-    for port in ports:
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                return False
-    return True
+    """Whether hift-serve's own busy-port check would pass these ports."""
+    from hift_runtime.server import busy_port
+
+    return busy_port("127.0.0.1", {str(port): port for port in ports}) is None
 
 
 def _metric(text: str, name: str) -> float:
