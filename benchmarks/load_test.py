@@ -25,6 +25,7 @@ import gc
 import json
 import os
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -398,8 +399,10 @@ def main() -> None:
                    help="the streams: a thread each (push), or tasks of one event loop (apush in-process; the asyncio "
                         "gRPC client, AsyncServerClient, for the served config)")
     p.add_argument("--warm-stream", action="store_true", help="run one stream after warmup() before measuring")
-    p.add_argument("--switch-interval-ms", type=float, default=None,
-                   help="Python's GIL switch interval during the run (default: Python's 5 ms)")
+    p.add_argument("--switch-interval-ms", default=None,
+                   help="Python's GIL switch interval during the runs (default: Python's 5 ms; hift-serve sets "
+                        "0.5). Several, comma-separated (e.g. 5,0.5): each K runs under each, one after the other, "
+                        "recorded as a config each (NAME@si=MS)")
     p.add_argument("--slots", type=int, default=None, help="device cache slots (CudaOptions.slots)")
     p.add_argument("--max-streams", type=int, default=None,
                    help="open streams at most (in-process configs and hift-serve --max-streams): a ramp past it shows "
@@ -453,10 +456,7 @@ def main() -> None:
                               "configs": {}}
     ks = [int(x) for x in args.ks.split(",")]
     keep_freed_memory()  # as hift-serve's processes do: in-process and served alike
-    if args.switch_interval_ms:
-        import sys
-
-        sys.setswitchinterval(args.switch_interval_ms / 1e3)
+    intervals_ms = [float(x) for x in args.switch_interval_ms.split(",")] if args.switch_interval_ms else [None]
     for name in args.configs.split(","):
         t0 = time.perf_counter()
         if name == "served":
@@ -497,32 +497,41 @@ def main() -> None:
             warm_stream_s = round(time.perf_counter() - t1, 2)
         if name != "served":
             tune_garbage_collector()  # as hift-serve does once warm
-        rows: list[dict[str, Any]] = []
-        result["configs"][name] = {"open_and_warmup_s": round(time.perf_counter() - t0, 1),
-                                   "warm_stream_s": warm_stream_s, "parity_max_abs_vs_cpu": parity,
-                                   "engine": (f"hift-serve --frontend {args.served_frontend} --engine {args.engine} --precision {args.precision}"
-                                              + (f" x {args.served_processes} processes" if args.served_processes > 1 else "")
-                                              if name == "served" else
-                                              getattr(getattr(vocoder, "backend", None), "name", name)),
-                                   "gpu_memory_after_warmup_mb": gpu_memory_mb(), "runs": rows,
-                                   "warmup_seconds_by_shape": getattr(getattr(vocoder, "backend", None),
-                                                                      "warmup_seconds", None)}
+        # One record per switch interval (the same open vocoder): NAME, or NAME@si=MS when several are compared.
+        keys = {ms: name if len(intervals_ms) == 1 else f"{name}@si={ms:g}" for ms in intervals_ms}
+        rows_of: dict[float | None, list[dict[str, Any]]] = {ms: [] for ms in intervals_ms}
+        for ms, key in keys.items():
+            result["configs"][key] = {"open_and_warmup_s": round(time.perf_counter() - t0, 1),
+                                      "warm_stream_s": warm_stream_s, "parity_max_abs_vs_cpu": parity,
+                                      "switch_interval_ms": ms,
+                                      "engine": (f"hift-serve --frontend {args.served_frontend} --engine {args.engine} --precision {args.precision}"
+                                                 + (f" x {args.served_processes} processes" if args.served_processes > 1 else "")
+                                                 if name == "served" else
+                                                 getattr(getattr(vocoder, "backend", None), "name", name)),
+                                      "gpu_memory_after_warmup_mb": gpu_memory_mb(), "runs": rows_of[ms],
+                                      "warmup_seconds_by_shape": getattr(getattr(vocoder, "backend", None),
+                                                                         "warmup_seconds", None)}
         try:
             for k in ks:
-                row = run_k(vocoder, k, args.seconds, args.clients, collections)
-                rows.append(row)
-                print(name, json.dumps(row), flush=True)
-                Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-                # A miss does not end the ramp: a batching runtime can keep up better at larger K (bigger batches).
-                # A collapse (p95 past 10x the bound) or an error does.
-                if row["push_p95_ms"] > 10 * P95_BOUND_MS or row["errors"]:
+                ended = 0
+                for ms, key in keys.items():
+                    if ms is not None:
+                        sys.setswitchinterval(ms / 1e3)
+                    row = run_k(vocoder, k, args.seconds, args.clients, collections)
+                    rows_of[ms].append(row)
+                    print(key, json.dumps(row), flush=True)
+                    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+                    # A miss does not end the ramp: a batching runtime can keep up better at larger K (bigger
+                    # batches). A collapse (p95 past 10x the bound) or an error does, once every interval had one.
+                    ended += row["push_p95_ms"] > 10 * P95_BOUND_MS or bool(row["errors"])
+                if ended == len(keys):
                     break
         finally:  # a served config's server never outlives the script
             vocoder.close()
             gc.unfreeze()  # this config's objects become collectable again
-        # Streams served within the bound (past --max-streams, the refused ones are not among them).
-        kept = [r["streams_served"] for r in rows if r["push_p95_ms"] <= P95_BOUND_MS and not r["errors"]]
-        result["configs"][name]["max_realtime_streams_at_p95_bound"] = max(kept, default=0)
+        for ms, key in keys.items():  # streams served within the bound (past --max-streams, not the refused ones)
+            kept = [r["streams_served"] for r in rows_of[ms] if r["push_p95_ms"] <= P95_BOUND_MS and not r["errors"]]
+            result["configs"][key]["max_realtime_streams_at_p95_bound"] = max(kept, default=0)
         del vocoder
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     plot(result, Path(args.out).with_suffix(".png"))
