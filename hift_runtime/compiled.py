@@ -3,9 +3,10 @@ fused into Triton kernels, cuDNN convolutions), behind the same bookkeeping and 
 
 * **Weights**: the folded weights the exporter writes (``hift_folded.pt``, weights only, checked by hash like every
   file), loaded into fresh modules built from the manifest's config: the original ``hift.pt`` is never needed.
-* **Caches**: every open stream's generator caches in one device tensor ``[rows, R]`` (a :class:`~.slots.Slot` per
-  stream, row 0 scratch for a batch's padding rows), read and written in place by the compiled step; a stream's first
-  step reads zeros instead of its row. The F0 caches (small, float64) travel with each call, as on ONNX Runtime.
+* **Caches**: every open stream's generator caches in one device tensor ``[rows, R]`` and its F0 caches (float64)
+  in another (a :class:`~.slots.Slot` of each per stream, row 0 scratch for a batch's padding rows), read and written
+  in place by the steps; a stream's first step reads zeros instead of its row. Nothing but the mel, F0 values, phase
+  and audio crosses the bus (the F0 caches, 32 KB a stream at full size, used to travel both ways with every call).
 * **Noise**: the noise table lives on the device; each step gathers its rows from the first row's index (no 432 KB of
   noise per stream-step crosses the bus).
 * **CUDA graphs**: at :meth:`warmup`, every (step size, batch size) of the stream step, the 4-frame final step and
@@ -123,6 +124,7 @@ class CompiledBackend:
     """
 
     caches_in_place = True
+    f0_caches_in_place = True
     takes_noise_positions = True
 
     def __init__(self, manifest: Manifest, constants: StreamConstants, device: str = "cuda",
@@ -154,6 +156,14 @@ class CompiledBackend:
         self.row_floats = sum(self._sizes)
         self._rows = SlotRows(slots + 1, "slots=...")
         self.pool = torch.zeros(slots + 1, self.row_floats, dtype=torch.float32, device=self.device)
+        f0_dtype = next(self.predictor.parameters()).dtype
+        self._f0_shapes = [spec.shape for spec in c.f0_caches]
+        self._f0_sizes = [int(np.prod(spec.shape)) for spec in c.f0_caches]
+        self._f0_rows = SlotRows(slots + 1, "slots=...")
+        self.f0_pool = torch.zeros(slots + 1, sum(self._f0_sizes), dtype=f0_dtype, device=self.device)
+        # F0 rows handed out and not written yet: their first F0 step reads zeros. (Added to by the thread opening a
+        # stream, read and emptied by the one calling the device; a set's add and discard are atomic.)
+        self._f0_fresh: set[int] = set()
         self._table: torch.Tensor | None = None
         self._lock = threading.Lock()  # one call on the device at a time (CUDA graphs share buffers)
         self._graphs: dict[tuple[str, int, int], _Captured] = {}
@@ -233,11 +243,18 @@ class CompiledBackend:
         _mark_batch_dynamic(args)  # the source's outputs are new tensors: marked as the step's inputs are
         return rest(*args)
 
-    def _f0(self, mel: torch.Tensor, *caches: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _f0(self, mel: torch.Tensor, first: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor]:
+        """The F0 step reading its caches from the slots' F0 rows (zeros for a fresh row) and writing them back."""
         from hift_export.step import f0_step
 
-        f0, nxt = f0_step(self.predictor, mel, dict(zip(self._f0_names, caches)), one_gemm=True)
-        return (f0, *(nxt[name] for name in self._f0_names))
+        rows = self.f0_pool.index_select(0, slots)
+        rows = torch.where(first, torch.zeros((), dtype=rows.dtype, device=rows.device), rows)
+        parts = torch.split(rows, self._f0_sizes, dim=1)
+        caches = {name: part.reshape(-1, *shape) for name, shape, part in zip(self._f0_names, self._f0_shapes, parts)}
+        f0, nxt = f0_step(self.predictor, mel, caches, one_gemm=True)
+        self.f0_pool.index_copy_(0, slots, torch.cat([nxt[name].reshape(mel.shape[0], -1) for name in self._f0_names],
+                                                     dim=1))
+        return (f0,)
 
     @property
     def _f0_names(self) -> list[str]:
@@ -251,17 +268,20 @@ class CompiledBackend:
 
     @property
     def slots_in_use(self) -> int:
-        return self._rows.in_use
+        """Streams holding device rows (generator or F0: each open stream holds one of each)."""
+        return max(self._rows.in_use, self._f0_rows.in_use)
 
     def stream_capacity(self) -> int:
         return max(1, self._rows.rows - 1 - OFFLINE_SLOTS)
 
     def new_caches(self, kind: str, batch: int = 1) -> Any:
+        if batch != 1:
+            raise ValueError("device slots are taken one stream at a time")
         if kind == "generator":
-            if batch != 1:
-                raise ValueError("device slots are taken one stream at a time")
             return self._rows.acquire()
-        return {spec.name: spec.zeros(batch) for spec in self.constants.f0_caches}
+        slot = self._f0_rows.acquire()
+        self._f0_fresh.add(slot.index)
+        return slot
 
     @contextlib.contextmanager
     def _precision(self) -> Iterator[None]:
@@ -282,16 +302,19 @@ class CompiledBackend:
         return next((b for b in self.batch_sizes if b >= rows), rows)
 
 
-    def f0_step(self, mel: np.ndarray, caches: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    def f0_step(self, mel: np.ndarray, caches: Any) -> tuple[np.ndarray, Any]:
+        slots = caches if isinstance(caches, list) else [caches]
         rows = mel.shape[0]
-        values = [mel, *(np.asarray(caches[name]) for name in self._f0_names)]
+        fresh = self._f0_fresh
+        values = [mel, np.array([[s.index in fresh] for s in slots]), np.array([s.index for s in slots], np.int64)]
         with self._lock, self._precision():
             graph = self._graphs.get(("f0", mel.shape[2] - self.constants.f0_look_ahead, self._batch(rows)))
             if graph is not None:
                 out = graph.run(values, rows)
             else:
                 out = [t.cpu().numpy() for t in self._f0(*(torch.from_numpy(v).to(self.device) for v in values))]
-        return out[0], dict(zip(self._f0_names, out[1:]))
+            fresh.difference_update(s.index for s in slots)  # written now
+        return out[0], caches  # the next caches are in the same slots
 
     def generator_step(self, mel: np.ndarray, f0: np.ndarray, noise: np.ndarray, phase_in: np.ndarray,
                        first: np.ndarray, caches: Any, final: bool) -> tuple[np.ndarray, np.ndarray, Any]:
@@ -353,8 +376,7 @@ class CompiledBackend:
         c, dev = self.constants, self.device
         if kind == "f0":
             return [torch.zeros(batch, c.in_channels, size + c.f0_look_ahead, device=dev),
-                    *(torch.zeros(batch, *spec.shape, dtype=getattr(torch, spec.dtype), device=dev)
-                      for spec in c.f0_caches)]
+                    torch.ones(batch, 1, dtype=torch.bool, device=dev), torch.zeros(batch, dtype=torch.int64, device=dev)]
         final = kind == "final"
         mel, src = (size, size) if final else (size + c.mel_look_ahead, size + c.source_look_ahead)
         return [torch.zeros(batch, c.in_channels, mel, device=dev), torch.zeros(batch, src, device=dev),

@@ -27,8 +27,9 @@ Totals: exactly ``480 * frames`` samples. A stream's state is bounded: the cache
 
 A push is all or nothing: the bookkeeping computes into locals and commits once every call has succeeded, so a failed
 or cancelled push leaves its stream as it was. One exception: a backend that keeps the caches on its device and
-writes them in place (``caches_in_place``) cannot undo a step that ran; a push that fails after such a step marks its
-stream *lost* (its next call raises :class:`StreamError`), and a cancelled one runs to its end instead of stopping.
+writes them in place (``caches_in_place`` for the generator's, ``f0_caches_in_place`` for the F0 step's) cannot undo
+a step that ran; a push that fails after such a step marks its stream *lost* (its next call raises
+:class:`StreamError`), and a cancelled one runs to its end instead of stopping.
 
 Thread safety: a :class:`StreamingVocoder` (and its backend's sessions) may serve many streams from many threads;
 calls on one :class:`VocoderStream` are serialised by its lock.
@@ -213,7 +214,7 @@ class StepCall:
     def key(self) -> tuple[str, int]:
         return self.kind, self.args[0].shape[2]  # the step's mel frames fix every input's shape
 
-    # True for a generator step on a backend that writes the caches in place: once it ran, the push cannot be undone.
+    # True for a step on a backend that writes its caches in place: once it ran, the push cannot be undone.
     writes_caches: bool = False
 
     def run(self, backend: VocoderBackend) -> Any:
@@ -432,6 +433,7 @@ class VocoderStream:
         # Steps without fixed sizes are at most this long; unbounded for the offline pass (one step, as upstream).
         self._max_step = None if one_pass else vocoder.max_step_frames
         self._in_place = bool(getattr(vocoder.backend, "caches_in_place", False))
+        self._f0_in_place = bool(getattr(vocoder.backend, "f0_caches_in_place", False))
         self._noise_positions = bool(getattr(vocoder.backend, "takes_noise_positions", False))
         self._lock = threading.Lock()
         self._frames_in = 0
@@ -668,7 +670,10 @@ class VocoderStream:
                 window = np.concatenate([window, np.zeros((c.in_channels, c.f0_look_ahead), np.float32)], axis=1)
             pieces_f0, pos = [f0], 0
             for size in split_steps(target - f0_end, f0_sizes, max_step):
-                out, f0_caches = yield StepCall("f0", (window[None, :, pos:pos + size + c.f0_look_ahead], f0_caches))
+                if self._f0_in_place:
+                    self._caches_written = True  # as for the generator's steps (_generator_call)
+                out, f0_caches = yield StepCall("f0", (window[None, :, pos:pos + size + c.f0_look_ahead], f0_caches),
+                                                self._f0_in_place)
                 pieces_f0.append(out[0])
                 pos += size
                 f0_calls += 1

@@ -60,6 +60,23 @@ def test_interleaved_streams_keep_their_own_slots(ort_cpu, compiled_cpu):
         assert max_abs(np.concatenate(pieces[i]), want[i]) <= TOLERANCE, i
 
 
+def test_a_stream_on_a_reused_slot_starts_from_zero_caches(small_artifacts, ort_cpu):
+    """The F0 and generator caches live in the slots' device rows: a stream handed the rows another stream just
+    wrote reads zeros at its start, not that stream's caches."""
+    v = open_vocoder(small_artifacts.out, device="cpu", engine="compiled", max_streams=1)
+    first = v.stream()
+    rows = first._f0_caches.index, first._gen_caches.index
+    first.push(random_mel(60, seed=41))
+    first.finish()
+    mel = random_mel(70, seed=42)
+    second = v.stream()
+    assert (second._f0_caches.index, second._gen_caches.index) == rows  # the same rows, written by the first
+    got = np.concatenate([second.push(mel[:, :30]), second.push(mel[:, 30:]), second.finish()])
+    assert max_abs(got, streamed(ort_cpu, mel, [30, 40])) <= TOLERANCE
+    second = None
+    assert v.backend.slots_in_use == 0
+
+
 def test_batched_streams_equal_the_ort_engine_alone(small_artifacts, ort_cpu):
     """Concurrent streams through the scheduler: batched calls gather and scatter several pool rows at once."""
     batched = open_vocoder(small_artifacts.out, device="cpu", engine="compiled", batching=True, max_wait_ms=5)
