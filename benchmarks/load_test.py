@@ -342,12 +342,17 @@ def plot(result: dict[str, Any], png: Path) -> None:
             title="push latency (from due time)")
     thr.plot([0, top], [0, top], color="k", lw=1, ls=":", label="real time (= K)")
     thr.set(xlabel="concurrent streams K", ylabel="audio seconds per second", title="throughput")
-    lat.legend(fontsize=7)
-    thr.legend(fontsize=7)
+    if len(result["configs"]) > 3:  # many lines: the legends below the plots, not over them
+        lat.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2)
+        thr.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.15))
+        fig.set_size_inches(12, 4.2 + 0.16 * len(result["configs"]) * 2)
+    else:
+        lat.legend(fontsize=7)
+        thr.legend(fontsize=7)
     when = f"{result['when']}, " if "when" in result else ""
     fig.suptitle(f"{png.stem}  ({when}{result.get('seconds_per_stream', '?')} s streams)", fontsize=9)
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    fig.savefig(png, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 
