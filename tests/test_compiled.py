@@ -170,3 +170,46 @@ def test_tampered_folded_weights_are_refused(small_artifacts, tmp_path):
         fh.write(b"x")
     with pytest.raises(ArtifactError, match="hift_folded.pt"):
         open_vocoder(folder, device="cpu", engine="compiled")
+
+
+def test_a_push_whose_f0_step_wrote_its_device_row_cannot_be_undone(small_artifacts, ort_cpu):
+    """The F0 step writes its caches in place: a push cancelled while it runs completes instead of stopping, and a
+    push that fails after it loses its stream (its rows are ahead of its bookkeeping), never another."""
+    import threading
+
+    from hift_runtime.batching import PushScheduler
+    from hift_runtime.streaming import CancelToken, StreamingVocoder
+
+    from .test_hardening import FaultyBackend, InjectedFault
+
+    compiled = open_vocoder(small_artifacts.out, device="cpu", engine="compiled", max_streams=4)
+    backend = FaultyBackend(compiled.backend, caches_in_place=True)
+    backend.f0_caches_in_place = compiled.backend.f0_caches_in_place
+    backend.takes_noise_positions, backend.use_noise_table = True, compiled.backend.use_noise_table
+    vocoder = StreamingVocoder(backend, compiled.constants)
+    vocoder.scheduler = PushScheduler(backend, max_batch=4, max_wait_s=0.003)
+    mel = random_mel(60, seed=43)
+    stream, token, outcome = vocoder.stream(), CancelToken(), []
+    backend.hold = {"f0"}
+    worker = threading.Thread(target=lambda: outcome.append(stream.push(mel[:, :30], token)))
+    worker.start()
+    assert backend.held.wait(10)
+    token.cancel()
+    backend.gate.set()
+    worker.join(10)
+    assert stream.frames_in == 30 and not stream.lost  # it ran to its end
+    backend.hold = set()
+    audio = np.concatenate([outcome[0], stream.finish(mel[:, 30:])])
+    assert max_abs(audio, streamed(ort_cpu, mel, [30, 30])) <= TOLERANCE
+
+    doomed, other = vocoder.stream(), vocoder.stream()
+    backend.fail = {"generator"}
+    with pytest.raises(InjectedFault):
+        doomed.push(mel[:, :30])  # its F0 step ran, then its generator step failed
+    assert doomed.lost
+    backend.fail = set()
+    with pytest.raises(StreamError, match="lost"):
+        doomed.push(mel[:, 30:])
+    got = np.concatenate([other.push(mel[:, :30]), other.finish(mel[:, 30:])])
+    assert max_abs(got, streamed(ort_cpu, mel, [30, 30])) <= TOLERANCE
+    vocoder.close()
