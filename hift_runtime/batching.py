@@ -60,7 +60,10 @@ class _Push:
     call_ready_at: float = 0.0  # when its current call became ready (the partner wait counts from here)
     wrote_caches: bool = False  # a call of it that writes device caches in place has run: it cannot be undone
     cancelled: bool = False
-    done: threading.Event = field(default_factory=threading.Event)
+    settled: bool = False  # set once, by _finish under the scheduler's lock
+    # A thread waiting for it (run()); asyncio pushes are told through on_done instead, and an Event each (a lock,
+    # a condition) cost ~4 % of the GIL's time at a thousand streams.
+    waiter: threading.Event | None = None
     result: np.ndarray | None = None
     error: BaseException | None = None
     on_done: Callable[[], None] | None = None  # told once the push settled (from whichever thread settled it)
@@ -126,9 +129,9 @@ class PushScheduler:
         self._thread = threading.Thread(target=self._loop, name="hift-scheduler", daemon=True)
         self._thread.start()
 
-    def _submit(self, steps: Generator[StepCall, Any, np.ndarray],
-                on_done: Callable[[], None] | None = None) -> _Push:
-        push = _Push(steps, time.monotonic(), on_done=on_done)
+    def _submit(self, steps: Generator[StepCall, Any, np.ndarray], on_done: Callable[[], None] | None = None,
+                waiter: threading.Event | None = None) -> _Push:
+        push = _Push(steps, time.monotonic(), on_done=on_done, waiter=waiter)
         with self._cv:
             if self._closing:
                 steps.close()
@@ -174,7 +177,8 @@ class PushScheduler:
     def run(self, steps: Generator[StepCall, Any, np.ndarray], cancel: CancelToken | None = None) -> np.ndarray:
         """Run one push to its end (from the stream's thread); its result, or its error raised here. Interrupted
         (KeyboardInterrupt) or cancelled, the push is cancelled and this returns only once it has settled."""
-        push = self._submit(steps)
+        done = threading.Event()
+        push = self._submit(steps, waiter=done)
         if cancel is not None:
             cancel.on_cancel(lambda: self._cancel(push))
         try:
@@ -182,13 +186,13 @@ class PushScheduler:
                 # Timed waits in the main thread: an untimed one may sleep through Ctrl-C until the push ends (the
                 # signal handler runs only when the wait returns). Other threads get no signals: they wait untimed
                 # (a thousand streams' threads polling would cost the GIL ten thousand wake-ups a second).
-                while not push.done.wait(0.1):
+                while not done.wait(0.1):
                     pass
             else:
-                push.done.wait()
+                done.wait()
         except BaseException:
             self._cancel(push)
-            _wait_settled(push.done)
+            _wait_settled(done)
             raise
         return _outcome(push)
 
@@ -324,7 +328,7 @@ class PushScheduler:
     def _send(self, push: _Push, value: Any, ready: list[_Push]) -> None:
         """Send a call's result into the push; it stops at its next call (ready) or ends. A cancelled push that has
         written no device caches is stopped here instead (its stream unchanged)."""
-        if push.done.is_set():  # failed by close() while its call was on the device
+        if push.settled:  # failed by close() while its call was on the device
             return
         push.call = None  # not kept while the push computes its next call: its slots go back once it ends
         if push.cancelled and not push.wrote_caches:
@@ -343,7 +347,7 @@ class PushScheduler:
             ready.append(push)
 
     def _fail(self, push: _Push, exc: BaseException, close_steps: bool = True) -> None:
-        if push.done.is_set():
+        if push.settled:
             return
         if close_steps:  # not from close()'s thread: the loop may still hold the coroutine
             push.steps.close()
@@ -352,10 +356,12 @@ class PushScheduler:
 
     def _finish(self, push: _Push) -> None:
         with self._cv:
-            if push.done.is_set():
+            if push.settled:
                 return
             self._handed_over.discard(push)
-            push.done.set()
+            push.settled = True
+            if push.waiter is not None:
+                push.waiter.set()
         if push.on_done is not None:
             push.on_done()
 
