@@ -75,16 +75,6 @@ _EXPORTS: dict[str, tuple[Path, object]] = {}
 _EXPORT_ARGS = {"small": ["--reduced"], "full": ["--checkpoint", str(CHECKPOINT)]}
 
 
-def pytest_collection_modifyitems(session, config, items) -> None:
-    """Modules none of whose tests need an export run first, while the exports run in the background (on two cores
-    the suite's tail is otherwise one core of tests after the exports are done); the order within a module is kept."""
-    def needs_export(item) -> bool:
-        return any(f"{which}_artifacts" in getattr(item, "fixturenames", ()) for which in _EXPORT_ARGS)
-
-    exporting = {item.module for item in items if needs_export(item)}  # type: ignore[attr-defined]
-    items.sort(key=lambda item: getattr(item, "module", None) in exporting)  # stable: False (export-free) first
-
-
 def pytest_collection_finish(session) -> None:
     """Start the exports the collected tests need in background processes as soon as the tests are known: the
     reduced and the full-size export run side by side on the two cores (together they are most of the suite)."""
