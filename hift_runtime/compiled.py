@@ -116,6 +116,30 @@ def _pad_rows(value: np.ndarray, batch: int) -> np.ndarray:
     return np.concatenate([value, np.zeros((batch - value.shape[0], *value.shape[1:]), value.dtype)])
 
 
+class _CacheRows:
+    """One kind of per-stream caches (the generator's or the F0 step's) on the device: a row of one tensor
+    ``[rows, R]`` per slot (row 0 scratch), read as named caches before a step and written back after it."""
+
+    def __init__(self, specs: tuple[Any, ...], rows: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.names = [spec.name for spec in specs]
+        self.shapes = [spec.shape for spec in specs]
+        self.sizes = [int(np.prod(spec.shape)) for spec in specs]
+        self.slots = SlotRows(rows, "slots=...")
+        self.pool = torch.zeros(rows, sum(self.sizes), dtype=dtype, device=device)
+
+    def read(self, slots: torch.Tensor, first: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The slots' caches; zeros where ``first`` (a stream's start) instead of the row."""
+        rows = self.pool.index_select(0, slots)
+        rows = torch.where(first, torch.zeros((), dtype=rows.dtype, device=rows.device), rows)
+        parts = torch.split(rows, self.sizes, dim=1)
+        return {name: part.reshape(-1, *shape) for name, shape, part in zip(self.names, self.shapes, parts)}
+
+    def write(self, slots: torch.Tensor, caches: dict[str, torch.Tensor]) -> None:
+        """``caches`` (as :meth:`read` gives them, any float dtype) into the slots' rows."""
+        flat = torch.cat([caches[name].reshape(slots.shape[0], -1).to(self.pool.dtype) for name in self.names], dim=1)
+        self.pool.index_copy_(0, slots, flat)
+
+
 class CompiledBackend:
     """A :class:`~hift_runtime.streaming.VocoderBackend` over the compiled step (see the module docstring).
 
@@ -149,18 +173,9 @@ class CompiledBackend:
         self.name = f"compiled[{self.device.type}:{precision}]" if self.compiled else f"torch[{self.device.type}]"
         self.generator, self.predictor = load_folded(manifest, self.device)
         self._trunk_dtype = torch.float16 if precision == "fp16" else None
-        c = constants
-        self._names = [spec.name for spec in c.generator_caches]
-        self._shapes = [spec.shape for spec in c.generator_caches]
-        self._sizes = [int(np.prod(spec.shape)) for spec in c.generator_caches]
-        self.row_floats = sum(self._sizes)
-        self._rows = SlotRows(slots + 1, "slots=...")
-        self.pool = torch.zeros(slots + 1, self.row_floats, dtype=torch.float32, device=self.device)
-        f0_dtype = next(self.predictor.parameters()).dtype
-        self._f0_shapes = [spec.shape for spec in c.f0_caches]
-        self._f0_sizes = [int(np.prod(spec.shape)) for spec in c.f0_caches]
-        self._f0_rows = SlotRows(slots + 1, "slots=...")
-        self.f0_pool = torch.zeros(slots + 1, sum(self._f0_sizes), dtype=f0_dtype, device=self.device)
+        self._generator_rows = _CacheRows(constants.generator_caches, slots + 1, torch.float32, self.device)
+        self._f0_rows = _CacheRows(constants.f0_caches, slots + 1, next(self.predictor.parameters()).dtype,
+                                   self.device)
         # F0 rows handed out and not written yet: their first F0 step reads zeros. (Added to by the thread opening a
         # stream, read and emptied by the one calling the device; a set's add and discard are atomic.)
         self._f0_fresh: set[int] = set()
@@ -183,12 +198,6 @@ class CompiledBackend:
         self.warmup_seconds: dict[str, float] = {}  # "kind:frames x batch" -> seconds of its compile and capture
 
     # ---- the functions compiled (pure tensor code) -----------------------------------------------------------------
-    def _caches(self, slots: torch.Tensor, first: torch.Tensor) -> dict[str, torch.Tensor]:
-        rows = self.pool.index_select(0, slots)
-        rows = torch.where(first, torch.zeros((), dtype=rows.dtype, device=rows.device), rows)  # a start reads zeros
-        parts = torch.split(rows, self._sizes, dim=1)
-        return {name: part.reshape(-1, *shape) for name, shape, part in zip(self._names, self._shapes, parts)}
-
     def _noise(self, start: torch.Tensor, frames: int) -> torch.Tensor:
         assert self._table is not None
         samples = frames * self.constants.samples_per_frame
@@ -210,12 +219,11 @@ class CompiledBackend:
         back (the final step leaves them: the stream ends)."""
         from hift_export.step import generator_step
 
-        caches = self._caches(slots, first)
+        caches = self._generator_rows.read(slots, first)
         audio, phase, new = generator_step(self.generator, mel, None, None, phase_in, first, caches, final,
                                            self._trunk_dtype, source=(source, cum))
         if not final:
-            flat = torch.cat([new[name].reshape(mel.shape[0], -1).float() for name in self._names], dim=1)
-            self.pool.index_copy_(0, slots, flat)
+            self._generator_rows.write(slots, new)
         return audio, phase
 
     def _rest(self, mel: torch.Tensor, source: torch.Tensor, cum: torch.Tensor, phase_in: torch.Tensor,
@@ -247,18 +255,9 @@ class CompiledBackend:
         """The F0 step reading its caches from the slots' F0 rows (zeros for a fresh row) and writing them back."""
         from hift_export.step import f0_step
 
-        rows = self.f0_pool.index_select(0, slots)
-        rows = torch.where(first, torch.zeros((), dtype=rows.dtype, device=rows.device), rows)
-        parts = torch.split(rows, self._f0_sizes, dim=1)
-        caches = {name: part.reshape(-1, *shape) for name, shape, part in zip(self._f0_names, self._f0_shapes, parts)}
-        f0, nxt = f0_step(self.predictor, mel, caches, one_gemm=True)
-        self.f0_pool.index_copy_(0, slots, torch.cat([nxt[name].reshape(mel.shape[0], -1) for name in self._f0_names],
-                                                     dim=1))
+        f0, nxt = f0_step(self.predictor, mel, self._f0_rows.read(slots, first), one_gemm=True)
+        self._f0_rows.write(slots, nxt)
         return (f0,)
-
-    @property
-    def _f0_names(self) -> list[str]:
-        return [spec.name for spec in self.constants.f0_caches]
 
     # ---- the backend protocol ----------------------------------------------------------------------------------------
     def use_noise_table(self, noise: NoiseTable) -> None:
@@ -269,17 +268,17 @@ class CompiledBackend:
     @property
     def slots_in_use(self) -> int:
         """Streams holding device rows (generator or F0: each open stream holds one of each)."""
-        return max(self._rows.in_use, self._f0_rows.in_use)
+        return max(self._generator_rows.slots.in_use, self._f0_rows.slots.in_use)
 
     def stream_capacity(self) -> int:
-        return max(1, self._rows.rows - 1 - OFFLINE_SLOTS)
+        return max(1, self._generator_rows.slots.rows - 1 - OFFLINE_SLOTS)
 
     def new_caches(self, kind: str, batch: int = 1) -> Any:
         if batch != 1:
             raise ValueError("device slots are taken one stream at a time")
         if kind == "generator":
-            return self._rows.acquire()
-        slot = self._f0_rows.acquire()
+            return self._generator_rows.slots.acquire()
+        slot = self._f0_rows.slots.acquire()
         self._f0_fresh.add(slot.index)
         return slot
 
