@@ -12,7 +12,9 @@ fused into Triton kernels, cuDNN convolutions), behind the same bookkeeping and 
 * **CUDA graphs**: at :meth:`warmup`, every (step size, batch size) of the stream step, the 4-frame final step and
   the F0 step (every size up to 24 frames: one F0 call a push) is compiled (one dynamic-batch compile serves all
   sizes; the F0 step runs eagerly), run, and captured;
-  a call then copies its inputs into the graph's buffers, replays, and copies audio and phase out.
+  each graph copies its inputs in from pinned host buffers and its audio and phase out to them (one set per step
+  shape, shared by its batch sizes: < 100 MB pinned at full size), so a call is the host's writes into the buffers,
+  one replay and one wait.
 * **Precision** (:data:`PRECISIONS`): ``fp32`` (TF32 off: parity, the default), ``tf32`` (TF32 convolutions and
   matmuls), ``fp16`` (the convolution trunk in half precision; source, STFT, phase and iSTFT head in float32). The F0
   step always runs in the export's F0 precision (float64 by default).
@@ -83,10 +85,45 @@ def load_folded(manifest: Manifest, device: torch.device) -> tuple[Any, Any]:
     return generator.to(device).eval().requires_grad_(False), predictor.to(device).eval().requires_grad_(False)
 
 
-class _Captured:
-    """One call of ``fn`` at one fixed shape as a CUDA graph: static input buffers, outputs read after replay."""
+class _Mirrors:
+    """Pinned host buffers of one step shape's inputs and outputs, ``rows`` rows each, shared by its graphs of every
+    batch size (one call at a time: the backend's lock); a graph of batch ``B`` copies rows ``[0, B)``. Per batch
+    size they would pin ~280 MB at full size (the host allocator rounds each to a power of two); shared, ~56 MB of
+    buffers (< 100 MB pinned)."""
 
-    def __init__(self, fn: Callable[..., tuple[torch.Tensor, ...]], example: list[torch.Tensor], pool: Any) -> None:
+    def __init__(self, inputs: list[torch.Tensor], outputs: tuple[torch.Tensor, ...], rows: int) -> None:
+        self.inputs = [torch.zeros((rows, *t.shape[1:]), dtype=t.dtype, pin_memory=True) for t in inputs]
+        self.outputs = [torch.empty((rows, *t.shape[1:]), dtype=t.dtype, pin_memory=True) for t in outputs]
+        self.host_in = [t.numpy() for t in self.inputs]
+        self.host_out = [t.numpy() for t in self.outputs]
+        self.dirty = 0  # rows past which every input row is zero (the buffers start as zeros)
+
+    def write(self, values: list[np.ndarray], rows: int, batch: int) -> None:
+        """``values`` into the first ``rows`` rows; rows ``[rows, batch)`` zero (slot 0: the scratch row), since a
+        larger call's rows left there would read and write its streams' slots. Copied as bytes, under the GIL: a
+        NumPy copy would release it, and in a busy process wait for it again (``benchmarks/gil_handoffs.py``)."""
+        upto = min(self.dirty, batch)
+        for host, value in zip(self.host_in, values):
+            value = np.ascontiguousarray(value, dtype=host.dtype)
+            if value.shape != (rows, *host.shape[1:]):
+                raise ValueError(f"a step input of shape {value.shape} for {rows} rows of {host.shape[1:]}")
+            row = host[0].nbytes
+            buffer = memoryview(host).cast("B")
+            buffer[:rows * row] = memoryview(value).cast("B")
+            if rows < upto:
+                buffer[rows * row:upto * row] = bytes((upto - rows) * row)
+        self.dirty = self.dirty if self.dirty > batch else rows
+
+
+class _Captured:
+    """One call of ``fn`` at one fixed shape as a CUDA graph that copies its inputs in from pinned host buffers
+    (:class:`_Mirrors`) and its outputs out to them: a call is the host's writes into the buffers, one replay and one
+    wait. (Copied one by one, a call's six inputs and two outputs each released the GIL and took it back: in a busy
+    process each take-back waits for another thread.)"""
+
+    def __init__(self, fn: Callable[..., tuple[torch.Tensor, ...]], example: list[torch.Tensor], pool: Any,
+                 mirrors: Callable[[list[torch.Tensor], tuple[torch.Tensor, ...]], _Mirrors]) -> None:
+        """``mirrors(inputs, outputs)``: the shape's host buffers (made on its first capture)."""
         # The example tensors themselves become the graph's input buffers: a clone would drop dynamo's dynamic/static
         # marks on them (then B = 2 compiles static, and the next batch size compiles again).
         self.inputs = list(example)
@@ -95,25 +132,23 @@ class _Captured:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # a few runs before capture (inductor's autotuning, cuDNN's plans)
             for _ in range(2):
-                fn(*self.inputs)
+                outputs = fn(*self.inputs)
         torch.cuda.current_stream().wait_stream(side)
+        self.mirrors = mirrors(self.inputs, outputs)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
-            self.outputs = fn(*self.inputs)
+            for buffer, host in zip(self.inputs, self.mirrors.inputs):
+                buffer.copy_(host[:self.batch], non_blocking=True)
+            for host, out in zip(self.mirrors.outputs, fn(*self.inputs)):
+                host[:self.batch].copy_(out, non_blocking=True)
 
     def run(self, values: list[np.ndarray], rows: int) -> list[np.ndarray]:
-        for buffer, value in zip(self.inputs, values):
-            buffer.copy_(torch.from_numpy(_pad_rows(value, self.batch)))
+        """The first ``rows`` rows of the outputs (copies: the buffers are the next call's) for ``values`` of
+        ``rows`` rows each."""
+        self.mirrors.write(values, rows, self.batch)
         self.graph.replay()
-        return [out[:rows].cpu().numpy() for out in self.outputs]
-
-
-def _pad_rows(value: np.ndarray, batch: int) -> np.ndarray:
-    """``value`` with zero rows appended up to ``batch`` rows (zero slot: the scratch row)."""
-    value = np.ascontiguousarray(value)
-    if value.shape[0] == batch:
-        return value
-    return np.concatenate([value, np.zeros((batch - value.shape[0], *value.shape[1:]), value.dtype)])
+        torch.cuda.current_stream().synchronize()
+        return [out[:rows].copy() for out in self.mirrors.host_out]
 
 
 class _CacheRows:
@@ -182,6 +217,7 @@ class CompiledBackend:
         self._table: torch.Tensor | None = None
         self._lock = threading.Lock()  # one call on the device at a time (CUDA graphs share buffers)
         self._graphs: dict[tuple[str, int, int], _Captured] = {}
+        self._mirrors: dict[tuple[str, int], _Mirrors] = {}  # each step shape's pinned host buffers
         self._graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         # Compiled forms are called only at warmup, on the shapes it captures; every other shape (a final step
         # shorter than the look-ahead, an offline pass) runs the same code eagerly: nothing compiles after warmup.
@@ -359,7 +395,8 @@ class CompiledBackend:
                 if kind != "f0":
                     _mark_batch_dynamic(example)
                 if self.cuda_graphs:
-                    self._graphs[(kind, size, batch)] = _Captured(fn, example, self._graph_pool)
+                    self._graphs[(kind, size, batch)] = _Captured(
+                        fn, example, self._graph_pool, functools.partial(self._mirrors_of, kind, size))
                 else:
                     fn(*example)
                 self.warmup_seconds[f"{kind}:{size}x{batch}"] = round(time.perf_counter() - shape_started, 3)
@@ -369,6 +406,13 @@ class CompiledBackend:
             torch.cuda.synchronize(self.device)
         self.compiles_at_warmup = compile_count()
         say(warmup_summary(self.warmup_seconds))
+
+    def _mirrors_of(self, kind: str, size: int, inputs: list[torch.Tensor], outputs: tuple[torch.Tensor, ...]
+                    ) -> _Mirrors:
+        """The host buffers shared by the graphs of one step shape (made for the largest batch at its first capture)."""
+        if (kind, size) not in self._mirrors:
+            self._mirrors[(kind, size)] = _Mirrors(inputs, outputs, max(self.batch_sizes))
+        return self._mirrors[(kind, size)]
 
     def _zeros(self, kind: str, size: int, batch: int) -> list[torch.Tensor]:
         """Inputs of a step of ``size`` frames for ``batch`` streams at the utterance start, every row on scratch."""

@@ -213,3 +213,24 @@ def test_a_push_whose_f0_step_wrote_its_device_row_cannot_be_undone(small_artifa
     got = np.concatenate([other.push(mel[:, :30]), other.finish(mel[:, 30:])])
     assert max_abs(got, streamed(ort_cpu, mel, [30, 30])) <= TOLERANCE
     vocoder.close()
+
+
+def test_shared_host_buffers_give_each_graph_its_rows_then_zeros():
+    """The CUDA graphs of one step shape share pinned host buffers (``_Mirrors``, one call at a time): whatever calls
+    came before, a graph of batch B reads the call's rows and then zeros (slot 0, the scratch row), never rows a
+    larger call left (their slots would be read and written). The buffers' logic, on plain arrays."""
+    from hift_runtime.compiled import _Mirrors
+
+    mirrors = _Mirrors.__new__(_Mirrors)
+    mirrors.host_in = [np.zeros((16, 3), np.float32), np.zeros((16, 1), np.int64), np.zeros((16, 1), bool)]
+    mirrors.dirty = 0
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        batch = int(rng.choice([2, 4, 8, 16]))
+        rows = int(rng.integers(1, batch + 1))
+        values = [rng.random((rows, 3)) + 1, rng.integers(1, 99, (rows, 1)), np.ones((rows, 1), bool)]
+        mirrors.write(values, rows, batch)
+        for host, value in zip(mirrors.host_in, values):
+            assert np.array_equal(host[:rows], value.astype(host.dtype))  # float64 values cast as torch's copy_ did
+            assert not host[rows:batch].any()
+        assert all(not host[mirrors.dirty:].any() for host in mirrors.host_in)
