@@ -25,6 +25,7 @@ never overlaps it. ``close()`` fails every push still waiting with a clear error
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import threading
 import time
@@ -49,6 +50,7 @@ class BatchStats:
     batches: int = 0
     max_batch: int = 0
     busy_s: float = 0.0  # time inside the backend's calls (the device's utilisation over a run)
+    queued: int = 0  # batches started behind another still on the device (no scheduler wake-up between the two)
     by_kind: dict[str, list[float]] = field(default_factory=dict)  # kind -> [calls, batches, busy seconds]
 
 
@@ -77,11 +79,25 @@ class _Flight:
     future: concurrent.futures.Future[tuple[list[Any], float]]
 
 
+def stack_rows(rows: list[np.ndarray]) -> np.ndarray:
+    """``np.concatenate(rows)`` along the first axis, as one join of their bytes when all are C-contiguous (the calls'
+    arrays are). NumPy releases the GIL in every row's copy, and in a busy process each release hands the GIL to
+    another thread and waits to get it back: 225 rows of mel took 50 ms beside two busy threads against 0.13 ms
+    alone, joined 0.3 ms (``benchmarks/gil_handoffs.py``). That was the device thread's time between calls."""
+    first = rows[0]
+    if len(rows) == 1 or first.size == 0 or not all(r.flags.c_contiguous and r.dtype == first.dtype for r in rows):
+        return np.concatenate(rows, axis=0)
+    data = bytearray().join(rows)
+    if len(data) != len(rows) * first.nbytes:  # rows of other shapes: NumPy says which
+        return np.concatenate(rows, axis=0)
+    return np.frombuffer(data, first.dtype).reshape(-1, *first.shape[1:])
+
+
 def _stack(rows: list[Any]) -> Any:
     """Host caches (dicts of arrays) stacked row by row; opaque per-stream handles (device slots) as a list."""
     if not isinstance(rows[0], dict):
         return list(rows)
-    return {k: np.concatenate([r[k] for r in rows], axis=0) for k in rows[0]}
+    return {k: stack_rows([r[k] for r in rows]) for k in rows[0]}
 
 
 def _row(caches: Any, i: int) -> Any:
@@ -96,10 +112,10 @@ def run_batched(backend: VocoderBackend, calls: list[StepCall]) -> list[Any]:
     """Calls of one key as one batched backend call; each call's result (its row)."""
     kind = calls[0].kind
     if kind == "f0":
-        mel = np.concatenate([c.args[0] for c in calls], axis=0)
+        mel = stack_rows([c.args[0] for c in calls])
         f0, nxt = backend.f0_step(mel, _stack([c.args[1] for c in calls]))
         return [(f0[i:i + 1], _row(nxt, i)) for i in range(len(calls))]
-    stacked = [np.concatenate([c.args[j] for c in calls], axis=0) for j in range(5)]
+    stacked = [stack_rows([c.args[j] for c in calls]) for j in range(5)]
     audio, phase, nxt = backend.generator_step(*stacked, _stack([c.args[5] for c in calls]), kind == "final")
     return [(audio[i:i + 1], phase[i:i + 1], _row(nxt, i)) for i in range(len(calls))]
 
@@ -116,6 +132,8 @@ class PushScheduler:
         if max_batch < 1 or max_wait_s < 0:
             raise ValueError(f"max_batch must be >= 1 and max_wait_s >= 0, got {max_batch}, {max_wait_s}")
         self.backend, self.max_batch, self.max_wait_s = backend, max_batch, max_wait_s
+        # The smallest group queued behind a call on the device (see _launch_due): a quarter of a full batch.
+        self.queue_behind = max(1, max_batch // 4)
         self.pushes_in_progress = pushes_in_progress or (lambda: 0)
         self.stats = BatchStats()
         self._arrivals: list[_Push] = []
@@ -213,16 +231,16 @@ class PushScheduler:
     # ---- the scheduler thread -------------------------------------------------------------------------------------
     def _loop(self) -> None:
         ready: list[_Push] = []  # pushes whose next call waits for the device
-        flight: _Flight | None = None
+        flights: collections.deque[_Flight] = collections.deque()  # on the device (the first) and queued behind it
         while True:
             with self._cv:
                 while True:
-                    landed = flight is not None and flight.future.done()
+                    landed = bool(flights) and flights[0].future.done()
                     if self._arrivals or self._cancellations or landed:
                         break
                     if self._closing:
                         break
-                    if flight is None and ready:
+                    if not flights and ready:
                         wait = self._partner_wait(self._group_of(ready))
                         if wait <= 0:
                             break
@@ -237,11 +255,11 @@ class PushScheduler:
                 for p in arrivals + ready:
                     self._fail(p, closed)
                 ready.clear()
-                if flight is not None:
-                    flight.future.exception()  # its answer first (close() stops waiting after its timeout)
+                for flight in flights:  # each one's answer first (close() stops waiting after its timeout)
+                    flight.future.exception()
                     self._land(flight, ready)
-                    for p in ready:
-                        self._fail(p, closed)
+                for p in ready:
+                    self._fail(p, closed)
                 return
             for p in arrivals:
                 self._send(p, None, ready)
@@ -249,14 +267,28 @@ class PushScheduler:
                 if p in ready and not p.wrote_caches:
                     ready.remove(p)
                     self._send(p, None, ready)  # stops it: cancelled
-            if flight is not None and flight.future.done():
-                landed_flight, flight = flight, None
-                # The next call goes to the device before this one's results are handed out.
-                flight = self._launch_if_due(ready)
+            if flights and flights[0].future.done():
+                landed_flight = flights.popleft()
+                # The next calls go to the device before this one's results are handed out.
+                self._launch_due(flights, ready)
                 self._land(landed_flight, ready)
                 del landed_flight  # its results hold device slots: not kept while waiting for the next call
+            if not flights:
+                self._launch_due(flights, ready)
+
+    def _launch_due(self, flights: collections.deque[_Flight], ready: list[_Push]) -> None:
+        """Start the next batched calls that are due (called when the device is idle or a call has landed): with the
+        device idle, a group as soon as one is ready (and done waiting for partners); behind a call on the device,
+        one more, only of ``queue_behind`` calls or more. Queued, it starts the moment the device is free instead of
+        after this thread has woken up for the landed call and formed it (at the knee of the tf32 engine's load test
+        on the H200, the device was idle a third of the time); a smaller group waits for the landed call's pushes,
+        which may join it."""
+        while len(flights) < 2:
+            flight = self._launch_if_due(ready, self.queue_behind if flights else 1)
             if flight is None:
-                flight = self._launch_if_due(ready)
+                return
+            self.stats.queued += bool(flights)
+            flights.append(flight)
 
     def _cancel(self, push: _Push) -> None:
         with self._cv:
@@ -278,13 +310,13 @@ class PushScheduler:
         return sorted((p for p in ready if p.call.key == key),  # type: ignore[union-attr]
                       key=lambda p: p.handed_over_at)
 
-    def _launch_if_due(self, ready: list[_Push]) -> _Flight | None:
-        """The next batched call, unless nothing is ready or its group still waits for partners (the loop then
-        waits, at most until the partner wait is over)."""
+    def _launch_if_due(self, ready: list[_Push], min_group: int = 1) -> _Flight | None:
+        """The next batched call, unless nothing is ready, its group is smaller than ``min_group`` or still waits for
+        partners (the loop then waits, at most until the partner wait is over)."""
         if not ready:
             return None
         group = self._group_of(ready)  # computed once: it is sorted over every ready push
-        if self._partner_wait(group) > 0:
+        if len(group) < min_group or self._partner_wait(group) > 0:
             return None
         group = group[: self.max_batch]
         taken = set(map(id, group))

@@ -50,6 +50,9 @@ class ServerStateCollector:
         batches = CounterMetricFamily("hift_step_batches", "batched device calls, by device and kind; calls / "
                                       "batches is the mean batch size", labels=["device", "kind"])
         largest = GaugeMetricFamily("hift_step_batch_max", "the largest batch formed, by device", labels=["device"])
+        queued = CounterMetricFamily("hift_step_batches_queued", "batched calls started behind another one still on "
+                                     "the device, by device (under load: no idle gap between the two)",
+                                     labels=["device"])
         busy = CounterMetricFamily("hift_device_busy_seconds", "seconds inside device calls, by device",
                                    labels=["device"])
         share = GaugeMetricFamily("hift_device_busy_share", "busy seconds / seconds since the server started, by "
@@ -63,9 +66,10 @@ class ServerStateCollector:
                 calls.add_metric([device, kind], n_calls)
                 batches.add_metric([device, kind], n_batches)
             largest.add_metric([device], stats.max_batch)
+            queued.add_metric([device], stats.queued)
             busy.add_metric([device], stats.busy_s)
             share.add_metric([device], min(1.0, stats.busy_s / uptime))
-        yield from (calls, batches, largest, busy, share)
+        yield from (calls, batches, largest, queued, busy, share)
         yield CounterMetricFamily("hift_gc_full_collections", "full garbage collections since the metrics started",
                                   value=self.pauses.count)
         yield CounterMetricFamily("hift_gc_full_collection_seconds", "seconds inside full garbage collections (every "

@@ -643,7 +643,9 @@ class VocoderStream:
         writes = self._in_place and kind == "generator"  # a final step leaves the caches: the stream ends
         if writes:
             self._caches_written = True  # until the commit, a failure (not a cancellation) loses the stream
-        return StepCall(kind, (mel[None], f0[None], noise, phase, np.array([[position == 0]]), caches), writes)
+        # Every array C-contiguous: a batched call stacks them as bytes (batching.stack_rows).
+        return StepCall(kind, (np.ascontiguousarray(mel[None]), f0[None], noise, phase, np.array([[position == 0]]),
+                               caches), writes)
 
     def _emitted(self, audio: np.ndarray, position: int) -> np.ndarray:
         """A step's audio row, without the samples before the utterance on its first step (the audio lags)."""
@@ -672,8 +674,9 @@ class VocoderStream:
             for size in split_steps(target - f0_end, f0_sizes, max_step):
                 if self._f0_in_place:
                     self._caches_written = True  # as for the generator's steps (_generator_call)
-                out, f0_caches = yield StepCall("f0", (window[None, :, pos:pos + size + c.f0_look_ahead], f0_caches),
-                                                self._f0_in_place)
+                out, f0_caches = yield StepCall(
+                    "f0", (np.ascontiguousarray(window[None, :, pos:pos + size + c.f0_look_ahead]), f0_caches),
+                    self._f0_in_place)
                 pieces_f0.append(out[0])
                 pos += size
                 f0_calls += 1

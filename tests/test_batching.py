@@ -44,6 +44,44 @@ def test_concurrent_streams_through_the_batcher_equal_each_alone(small_artifacts
     assert batched.open_streams == 0
 
 
+class _SlowDevice:
+    """A backend whose every call takes a few ms more (a device call long enough for groups to form behind it)."""
+
+    def __init__(self, backend, seconds=0.004):
+        self._backend, self._seconds = backend, seconds
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)
+
+    def f0_step(self, *args):
+        time.sleep(self._seconds)
+        return self._backend.f0_step(*args)
+
+    def generator_step(self, *args):
+        time.sleep(self._seconds)
+        return self._backend.generator_step(*args)
+
+
+def test_calls_queued_behind_the_device_keep_every_stream_exact(small_artifacts, alone):
+    """A group ready when a call lands starts behind the next one, on the device thread's queue (no scheduler wake-up
+    between them); the streams still equal their solo runs."""
+    batched = open_vocoder(small_artifacts.out, device="cpu", batching=True, max_wait_ms=2)
+    batched.scheduler.backend = _SlowDevice(batched.scheduler.backend)
+    batched.scheduler.queue_behind = 1  # any group (the default: a quarter of max_batch)
+    rng = np.random.default_rng(5)
+    n = 12
+    mels = [random_mel(int(rng.integers(40, 130)), seed=60 + i) for i in range(n)]
+    schedules = [[int(x) for x in rng.integers(1, 30, 10)] + [500] for _ in range(n)]
+    delays = rng.random(n) * 0.02
+    expected = [run_stream(alone, m, s) for m, s in zip(mels, schedules)]
+    results = run_in_threads(lambda i: run_stream(batched, mels[i], schedules[i], delays[i]), range(n))
+    for i in range(n):
+        assert max_abs(results[i], expected[i]) <= 1e-6, i  # as above: float32 noise of batched convolutions
+    assert batched.scheduler.stats.queued > 0
+    assert batched.open_streams == 0
+    batched.close()
+
+
 def test_a_bad_chunk_is_refused_for_its_stream_only(small_artifacts, alone):
     batched = open_vocoder(small_artifacts.out, device="cpu", batching=True, max_wait_ms=20)
     mels = [random_mel(90, seed=40 + i) for i in range(4)]
