@@ -187,6 +187,8 @@ def run_k(vocoder, k: int, seconds: float, clients: str = "threads", collections
     ``collections``: this process's garbage-collection timer, reported for in-process runs."""
     frames = int(seconds * 50)
     before = _counters(vocoder)
+    scheduler_stats = getattr(getattr(vocoder, "scheduler", None), "stats", None)
+    queued_before = getattr(scheduler_stats, "queued", 0)
     triton_before = vocoder.batches() if isinstance(vocoder, _Served) else None
     collections_before = vocoder.full_collections()[0] if isinstance(vocoder, _Served) else 0.0
     if collections is not None:  # this process's garbage collections (hift_runtime.process_tuning.CollectionPauses)
@@ -309,6 +311,7 @@ def run_k(vocoder, k: int, seconds: float, clients: str = "threads", collections
             "errors": len(errors), "first_error": errors[0] if errors else None,
             "refused_streams": refused[0], "streams_served": len(first),
             "gpu_memory_mb": gpu_memory_mb(), "max_batch": getattr(stats, "max_batch", 1),
+            "queued_batches": getattr(stats, "queued", 0) - queued_before,  # started behind another on the device
             "gc_full_collections": full - collections_before, "gc_full_collection_max_ms": round(longest_ms, 1),
             **({"batcher_this_run": {"calls_batches_busy_s_by_kind": this_run}} if this_run is not None else {}),
             **({"triton_total": served, "triton_this_run": triton_this_run(triton_before or {}, served)}
@@ -408,6 +411,10 @@ def main() -> None:
                    help="Python's GIL switch interval during the runs (default: Python's 5 ms; hift-serve sets "
                         "0.5). Several, comma-separated (e.g. 5,0.5): each K runs under each, one after the other, "
                         "recorded as a config each (NAME@si=MS)")
+    p.add_argument("--queue-behind", default=None,
+                   help="the scheduler's queue_behind (the smallest group queued behind a call on the device; in-process "
+                        "configs). Several, comma-separated (e.g. 64,1000000: the second never queues): each K runs "
+                        "under each, recorded as NAME@qb=N")
     p.add_argument("--slots", type=int, default=None, help="device cache slots (CudaOptions.slots)")
     p.add_argument("--max-streams", type=int, default=None,
                    help="open streams at most (in-process configs and hift-serve --max-streams): a ramp past it shows "
@@ -462,6 +469,9 @@ def main() -> None:
     ks = [int(x) for x in args.ks.split(",")]
     keep_freed_memory()  # as hift-serve's processes do: in-process and served alike
     intervals_ms = [float(x) for x in args.switch_interval_ms.split(",")] if args.switch_interval_ms else [None]
+    queue_behinds = [int(x) for x in args.queue_behind.split(",")] if args.queue_behind else [None]
+    # Each K runs under every (switch interval, queue_behind) pair, one after the other, on the same open vocoder.
+    variants = [(ms, qb) for ms in intervals_ms for qb in queue_behinds]
     for name in args.configs.split(","):
         t0 = time.perf_counter()
         if name == "served":
@@ -502,28 +512,33 @@ def main() -> None:
             warm_stream_s = round(time.perf_counter() - t1, 2)
         if name != "served":
             tune_garbage_collector()  # as hift-serve does once warm
-        # One record per switch interval (the same open vocoder): NAME, or NAME@si=MS when several are compared.
-        keys = {ms: name if len(intervals_ms) == 1 else f"{name}@si={ms:g}" for ms in intervals_ms}
-        rows_of: dict[float | None, list[dict[str, Any]]] = {ms: [] for ms in intervals_ms}
-        for ms, key in keys.items():
+        # One record per variant (the same open vocoder): NAME, or NAME@si=MS / @qb=N / @si=MS,qb=N when several
+        # switch intervals or queue_behinds are compared.
+        keys = {v: name + ("@" + ",".join(part for part in (
+            f"si={v[0]:g}" if len(intervals_ms) > 1 else "", f"qb={v[1]}" if len(queue_behinds) > 1 else "") if part)
+            if len(variants) > 1 else "") for v in variants}
+        rows_of: dict[tuple[float | None, int | None], list[dict[str, Any]]] = {v: [] for v in variants}
+        for (ms, qb), key in keys.items():
             result["configs"][key] = {"open_and_warmup_s": round(time.perf_counter() - t0, 1),
                                       "warm_stream_s": warm_stream_s, "parity_max_abs_vs_cpu": parity,
-                                      "switch_interval_ms": ms,
+                                      "switch_interval_ms": ms, "queue_behind": qb,
                                       "engine": (f"hift-serve --frontend {args.served_frontend} --engine {args.engine} --precision {args.precision}"
                                                  + (f" x {args.served_processes} processes" if args.served_processes > 1 else "")
                                                  if name == "served" else
                                                  getattr(getattr(vocoder, "backend", None), "name", name)),
-                                      "gpu_memory_after_warmup_mb": gpu_memory_mb(), "runs": rows_of[ms],
+                                      "gpu_memory_after_warmup_mb": gpu_memory_mb(), "runs": rows_of[(ms, qb)],
                                       "warmup_seconds_by_shape": getattr(getattr(vocoder, "backend", None),
                                                                          "warmup_seconds", None)}
         try:
             for k in ks:
                 ended = 0
-                for ms, key in keys.items():
+                for (ms, qb), key in keys.items():
                     if ms is not None:
                         sys.setswitchinterval(ms / 1e3)
+                    if qb is not None and getattr(vocoder, "scheduler", None) is not None:
+                        vocoder.scheduler.queue_behind = qb
                     row = run_k(vocoder, k, args.seconds, args.clients, collections)
-                    rows_of[ms].append(row)
+                    rows_of[(ms, qb)].append(row)
                     print(key, json.dumps(row), flush=True)
                     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
                     # A miss does not end the ramp: a batching runtime can keep up better at larger K (bigger
@@ -534,8 +549,8 @@ def main() -> None:
         finally:  # a served config's server never outlives the script
             vocoder.close()
             gc.unfreeze()  # this config's objects become collectable again
-        for ms, key in keys.items():  # streams served within the bound (past --max-streams, not the refused ones)
-            kept = [r["streams_served"] for r in rows_of[ms] if r["push_p95_ms"] <= P95_BOUND_MS and not r["errors"]]
+        for v, key in keys.items():  # streams served within the bound (past --max-streams, not the refused ones)
+            kept = [r["streams_served"] for r in rows_of[v] if r["push_p95_ms"] <= P95_BOUND_MS and not r["errors"]]
             result["configs"][key]["max_realtime_streams_at_p95_bound"] = max(kept, default=0)
         del vocoder
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
