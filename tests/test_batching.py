@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from hift_runtime import MelError, OverloadError, StreamError, open_vocoder
+from hift_runtime.batching import SchedulerClosed
 
 from .conftest import max_abs, run_in_threads
 from .test_streaming import random_mel, stream_all
@@ -170,6 +171,67 @@ def test_asyncio_streams_batch_and_equal_alone(small_artifacts, alone):
     assert max(threads) <= before + 1  # + the call thread (started at the first call): no thread per push
     assert batched.scheduler.stats.max_batch > 1
     batched.close()
+
+
+def test_a_scheduler_driven_by_the_event_loop_keeps_every_stream_exact(small_artifacts, alone):
+    """attach_loop(): the loop's thread schedules (no scheduler thread). Asyncio streams batch and equal their solo
+    runs, a push from another thread is handed to the loop, a cancelled apush leaves its stream usable, a blocking
+    push() in the loop itself is refused, and detach_loop() gives the scheduling back to a thread."""
+    batched = open_vocoder(small_artifacts.out, device="cpu", batching=True, max_wait_ms=5)
+    scheduler = batched.scheduler
+    mels = [random_mel(60, seed=70 + i) for i in range(10)]
+    expected = [run_stream(alone, m, [20] * 3) for m in mels]
+
+    async def one(mel):
+        stream = batched.stream()
+        pieces = [await stream.apush(mel[:, k:k + 20]) for k in range(0, 60, 20)]
+        pieces.append(await stream.afinish())
+        return np.concatenate(pieces)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        scheduler.attach_loop(loop)
+        assert not scheduler._thread.is_alive()
+        try:
+            from_thread = loop.run_in_executor(None, run_stream, batched, mels[-1], [20] * 3)
+            got = await asyncio.gather(*(one(m) for m in mels[:-1]), from_thread)
+            # A cancelled push: the stream is unchanged or the push completed, and the stream goes on.
+            stream = batched.stream()
+            task = asyncio.ensure_future(stream.apush(mels[0][:, :20]))
+            await asyncio.sleep(0)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            with pytest.raises(RuntimeError, match="would block it"):
+                batched.stream().push(mels[0][:, :20])
+            stream.close()
+            return got
+        finally:
+            scheduler.detach_loop()
+
+    for got, want in zip(asyncio.run(main()), expected):
+        assert max_abs(got, want) <= 1e-6  # as above: float32 noise of batched convolutions
+    assert scheduler.stats.max_batch > 1
+    assert scheduler._thread.is_alive()  # detached: a thread schedules again
+    assert max_abs(run_stream(batched, mels[0], [20] * 3), expected[0]) <= 1e-6
+    batched.close()
+
+
+def test_closing_a_loop_driven_scheduler_fails_its_waiting_pushes(small_artifacts):
+    batched = open_vocoder(small_artifacts.out, device="cpu", batching=True, max_wait_ms=5)
+    batched.scheduler.backend = _SlowDevice(batched.scheduler.backend, 0.05)
+
+    async def main():
+        batched.scheduler.attach_loop(asyncio.get_running_loop())
+        streams = [batched.stream() for _ in range(4)]
+        tasks = [asyncio.ensure_future(s.apush(random_mel(30, seed=90 + i))) for i, s in enumerate(streams)]
+        await asyncio.sleep(0.01)
+        batched.close()
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    outcomes = asyncio.run(main())
+    assert all(isinstance(o, SchedulerClosed) or isinstance(o, np.ndarray) for o in outcomes), outcomes
+    assert any(isinstance(o, SchedulerClosed) for o in outcomes)
 
 
 def test_an_overlapping_async_call_on_one_stream_is_refused(small_artifacts, alone):
