@@ -181,10 +181,12 @@ def _counters(vocoder) -> dict[str, list[float]] | None:
     return None if stats is None else {kind: list(v) for kind, v in stats.by_kind.items()}
 
 
-def run_k(vocoder, k: int, seconds: float, clients: str = "threads", collections: Any = None) -> dict[str, Any]:
+def run_k(vocoder, k: int, seconds: float, clients: str = "threads", collections: Any = None,
+          loop_scheduler: bool = False) -> dict[str, Any]:
     """``clients``: ``threads`` (a thread per stream, ``push``) or ``asyncio`` (a task per stream on one event loop,
     no thread per stream: ``apush`` in-process, :class:`~hift_runtime.client.AsyncServerClient` served).
-    ``collections``: this process's garbage-collection timer, reported for in-process runs."""
+    ``collections``: this process's garbage-collection timer, reported for in-process runs. ``loop_scheduler``:
+    in-process asyncio runs schedule from their event loop's thread (``PushScheduler.attach_loop``)."""
     frames = int(seconds * 50)
     before = _counters(vocoder)
     scheduler_stats = getattr(getattr(vocoder, "scheduler", None), "stats", None)
@@ -269,16 +271,21 @@ def run_k(vocoder, k: int, seconds: float, clients: str = "threads", collections
 
         async def run_all() -> None:
             served = isinstance(vocoder, _Served)
+            scheduler = None if served or not loop_scheduler else getattr(vocoder, "scheduler", None)
             if served:
                 from hift_runtime.client import AsyncServerClient
 
                 # Created in the running loop: a few per server.
                 aclients = [[AsyncServerClient(url) for _ in range(4)] for url in vocoder.grpc_urls]
+            if scheduler is not None:
+                scheduler.attach_loop(asyncio.get_running_loop())
             try:
                 await asyncio.gather(*(astream(i, aclients if served else None) for i in range(k)))
             finally:
                 if served:
                     await asyncio.gather(*(c.close() for pool in aclients for c in pool))
+                if scheduler is not None:
+                    scheduler.detach_loop()
 
         asyncio.run(run_all())
     else:
@@ -415,6 +422,9 @@ def main() -> None:
                    help="the scheduler's queue_behind (the smallest group queued behind a call on the device; in-process "
                         "configs). Several, comma-separated (e.g. 64,1000000: the second never queues): each K runs "
                         "under each, recorded as NAME@qb=N")
+    p.add_argument("--loop-scheduler", action="store_true",
+                   help="in-process asyncio runs schedule from their event loop's thread (PushScheduler.attach_loop) "
+                        "instead of the scheduler's own thread")
     p.add_argument("--slots", type=int, default=None, help="device cache slots (CudaOptions.slots)")
     p.add_argument("--max-streams", type=int, default=None,
                    help="open streams at most (in-process configs and hift-serve --max-streams): a ramp past it shows "
@@ -522,6 +532,7 @@ def main() -> None:
             result["configs"][key] = {"open_and_warmup_s": round(time.perf_counter() - t0, 1),
                                       "warm_stream_s": warm_stream_s, "parity_max_abs_vs_cpu": parity,
                                       "switch_interval_ms": ms, "queue_behind": qb,
+                                      "loop_scheduler": args.loop_scheduler and args.clients == "asyncio",
                                       "engine": (f"hift-serve --frontend {args.served_frontend} --engine {args.engine} --precision {args.precision}"
                                                  + (f" x {args.served_processes} processes" if args.served_processes > 1 else "")
                                                  if name == "served" else
@@ -537,7 +548,7 @@ def main() -> None:
                         sys.setswitchinterval(ms / 1e3)
                     if qb is not None and getattr(vocoder, "scheduler", None) is not None:
                         vocoder.scheduler.queue_behind = qb
-                    row = run_k(vocoder, k, args.seconds, args.clients, collections)
+                    row = run_k(vocoder, k, args.seconds, args.clients, collections, args.loop_scheduler)
                     rows_of[(ms, qb)].append(row)
                     print(key, json.dumps(row), flush=True)
                     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
