@@ -341,8 +341,10 @@ class PushScheduler:
             self._driver.call_soon(self._tick)
 
     def _kick_threadsafe(self) -> None:
+        """A :meth:`_tick` on the driving loop, from another thread (straight to the tick: one loop wake-up, not a
+        kick and then a tick; a tick with nothing to do costs nothing)."""
         try:
-            self._driver.call_soon_threadsafe(self._kick)
+            self._driver.call_soon_threadsafe(self._tick)
         except (RuntimeError, AttributeError):  # the loop is closed: close() or detach_loop() is for the caller
             pass
 
