@@ -17,7 +17,15 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .process_tuning import CollectionPauses
-from .serving import StreamTable, schedulers
+from .serving import StreamTable
+
+
+def _schedulers(vocoder: Any) -> list[tuple[str, Any]]:
+    """(device name, scheduler) of a vocoder, or of each device of a multi-device one."""
+    vocoders = getattr(vocoder, "vocoders", None)
+    if vocoders is None:
+        return [("0", vocoder.scheduler)]
+    return list(zip(vocoder.names, (v.scheduler for v in vocoders)))
 
 
 class ServerStateCollector:
@@ -50,7 +58,7 @@ class ServerStateCollector:
         share = GaugeMetricFamily("hift_device_busy_share", "busy seconds / seconds since the server started, by "
                                   "device", labels=["device"])
         uptime = max(time.monotonic() - self.started, 1e-9)
-        for device, scheduler in schedulers(table.vocoder):
+        for device, scheduler in _schedulers(table.vocoder):
             if scheduler is None:
                 continue
             stats = scheduler.stats

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import concurrent.futures
 import logging
 import threading
@@ -97,14 +96,6 @@ class ChunkReply:
 _EMPTY = np.zeros(0, np.float32)
 
 
-def schedulers(vocoder: Any) -> list[tuple[str, Any]]:
-    """(device name, push scheduler or None) of a vocoder, or of each device of a multi-device one."""
-    vocoders = getattr(vocoder, "vocoders", None)
-    if vocoders is None:
-        return [("0", vocoder.scheduler)]
-    return list(zip(vocoder.names, (v.scheduler for v in vocoders)))
-
-
 class StreamTable:
     """Open streams by id over one vocoder; :meth:`handle` serves a batch of requests."""
 
@@ -124,9 +115,6 @@ class StreamTable:
         self._loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="hift-stream"))
         self._loop_thread = threading.Thread(target=self._loop.run_forever, name="hift-serving-loop", daemon=True)
         self._loop_thread.start()
-        # The vocoder's schedulers run in this loop's thread (PushScheduler.attach_loop): every request is a task
-        # here, and a scheduler thread beside it would take the GIL back and forth with it at every NumPy call.
-        asyncio.run_coroutine_threadsafe(self._attach_schedulers(), self._loop).result()
         # What the server's metrics show (server_metrics.py): refusals by reason, streams expired.
         self.refused: collections.Counter[str] = collections.Counter()
         self.streams_expired = 0
@@ -169,25 +157,12 @@ class StreamTable:
         """Stop the table's event loop (after the batches in flight) and its threads."""
         if self._loop.is_closed():
             return
-        # The schedulers back to threads of their own, unless pushes are still in them (a server shutting down).
-        with contextlib.suppress(RuntimeError, concurrent.futures.TimeoutError):
-            asyncio.run_coroutine_threadsafe(self._detach_schedulers(), self._loop).result(timeout=10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._loop_thread.join()
         self._loop.run_until_complete(self._loop.shutdown_default_executor())
         self._loop.close()
 
     # ---- internals (the coroutines run on the table's loop) ---------------------------------------------------------
-    async def _attach_schedulers(self) -> None:
-        for _, scheduler in schedulers(self.vocoder):
-            if scheduler is not None:
-                scheduler.attach_loop(asyncio.get_running_loop())
-
-    async def _detach_schedulers(self) -> None:
-        for _, scheduler in schedulers(self.vocoder):
-            if scheduler is not None:
-                scheduler.detach_loop()
-
     def _by_stream(self, requests: Sequence[ChunkRequest]) -> dict[str, list[int]]:
         """A batch's request indices by stream id, in arrival order (idle streams expired first)."""
         self._expire_idle()
