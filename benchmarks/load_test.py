@@ -419,8 +419,8 @@ def main() -> None:
                         "0.5). Several, comma-separated (e.g. 5,0.5): each K runs under each, one after the other, "
                         "recorded as a config each (NAME@si=MS)")
     p.add_argument("--queue-behind", default=None,
-                   help="the scheduler's queue_behind (the smallest group queued behind a call on the device; in-process "
-                        "configs). Several, comma-separated (e.g. 64,1000000: the second never queues): each K runs "
+                   help="the scheduler's queue_behind (the smallest group queued behind a call on the device; "
+                        "in-process configs). Several, comma-separated (e.g. 64,1000000: the second never queues): each K runs "
                         "under each, recorded as NAME@qb=N")
     p.add_argument("--loop-scheduler", action="store_true",
                    help="in-process asyncio runs schedule from their event loop's thread (PushScheduler.attach_loop) "
@@ -524,15 +524,18 @@ def main() -> None:
             tune_garbage_collector()  # as hift-serve does once warm
         # One record per variant (the same open vocoder): NAME, or NAME@si=MS / @qb=N / @si=MS,qb=N when several
         # switch intervals or queue_behinds are compared.
-        keys = {v: name + ("@" + ",".join(part for part in (
-            f"si={v[0]:g}" if len(intervals_ms) > 1 else "", f"qb={v[1]}" if len(queue_behinds) > 1 else "") if part)
-            if len(variants) > 1 else "") for v in variants}
+        def key_of(ms: float | None, qb: int | None) -> str:
+            parts = ([f"si={ms:g}"] if len(intervals_ms) > 1 else []) + ([f"qb={qb}"] if len(queue_behinds) > 1 else [])
+            return f"{name}@{','.join(parts)}" if parts else name
+
+        keys = {v: key_of(*v) for v in variants}
         rows_of: dict[tuple[float | None, int | None], list[dict[str, Any]]] = {v: [] for v in variants}
         for (ms, qb), key in keys.items():
             result["configs"][key] = {"open_and_warmup_s": round(time.perf_counter() - t0, 1),
                                       "warm_stream_s": warm_stream_s, "parity_max_abs_vs_cpu": parity,
                                       "switch_interval_ms": ms, "queue_behind": qb,
-                                      "loop_scheduler": args.loop_scheduler and args.clients == "asyncio",
+                                      "loop_scheduler": (args.loop_scheduler and args.clients == "asyncio"
+                                                         and name != "served"),
                                       "engine": (f"hift-serve --frontend {args.served_frontend} --engine {args.engine} --precision {args.precision}"
                                                  + (f" x {args.served_processes} processes" if args.served_processes > 1 else "")
                                                  if name == "served" else
