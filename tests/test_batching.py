@@ -13,6 +13,7 @@ from hift_runtime import MelError, OverloadError, StreamError, open_vocoder
 from hift_runtime.batching import SchedulerClosed
 
 from .conftest import max_abs, run_in_threads
+from .test_hardening import FaultyBackend
 from .test_streaming import random_mel, stream_all
 
 
@@ -45,29 +46,12 @@ def test_concurrent_streams_through_the_batcher_equal_each_alone(small_artifacts
     assert batched.open_streams == 0
 
 
-class _SlowDevice:
-    """A backend whose every call takes a few ms more (a device call long enough for groups to form behind it)."""
-
-    def __init__(self, backend, seconds=0.004):
-        self._backend, self._seconds = backend, seconds
-
-    def __getattr__(self, name):
-        return getattr(self._backend, name)
-
-    def f0_step(self, *args):
-        time.sleep(self._seconds)
-        return self._backend.f0_step(*args)
-
-    def generator_step(self, *args):
-        time.sleep(self._seconds)
-        return self._backend.generator_step(*args)
-
-
 def test_calls_queued_behind_the_device_keep_every_stream_exact(small_artifacts, alone):
     """A group ready when a call lands starts behind the next one, on the device thread's queue (no scheduler wake-up
     between them); the streams still equal their solo runs."""
     batched = open_vocoder(small_artifacts.out, device="cpu", batching=True, max_wait_ms=2)
-    batched.scheduler.backend = _SlowDevice(batched.scheduler.backend)
+    batched.scheduler.backend = slow = FaultyBackend(batched.scheduler.backend)
+    slow.delay = 0.004  # a device call long enough for groups to form behind it
     batched.scheduler.queue_behind = 1  # any group (the default: a quarter of max_batch)
     rng = np.random.default_rng(5)
     n = 6
@@ -219,7 +203,8 @@ def test_a_scheduler_driven_by_the_event_loop_keeps_every_stream_exact(small_art
 
 def test_closing_a_loop_driven_scheduler_fails_its_waiting_pushes(small_artifacts):
     batched = open_vocoder(small_artifacts.out, device="cpu", batching=True, max_wait_ms=5)
-    batched.scheduler.backend = _SlowDevice(batched.scheduler.backend, 0.05)
+    batched.scheduler.backend = slow = FaultyBackend(batched.scheduler.backend)
+    slow.delay = 0.05
 
     async def main():
         batched.scheduler.attach_loop(asyncio.get_running_loop())
