@@ -189,8 +189,8 @@ def run_k(vocoder, k: int, seconds: float, clients: str = "threads", collections
     in-process asyncio runs schedule from their event loop's thread (``PushScheduler.attach_loop``)."""
     frames = int(seconds * 50)
     before = _counters(vocoder)
-    scheduler_stats = getattr(getattr(vocoder, "scheduler", None), "stats", None)
-    queued_before = getattr(scheduler_stats, "queued", 0)
+    stats = getattr(getattr(vocoder, "scheduler", None), "stats", None)  # the same object over the run
+    queued_before = getattr(stats, "queued", 0)
     triton_before = vocoder.batches() if isinstance(vocoder, _Served) else None
     collections_before = vocoder.full_collections()[0] if isinstance(vocoder, _Served) else 0.0
     if collections is not None:  # this process's garbage collections (hift_runtime.process_tuning.CollectionPauses)
@@ -298,7 +298,6 @@ def run_k(vocoder, k: int, seconds: float, clients: str = "threads", collections
     a = np.asarray(lat) * 1e3 if lat else np.asarray([np.nan])
     f = np.asarray(first) * 1e3 if first else np.asarray([np.nan])
     c = np.asarray(call_lat) * 1e3 if call_lat else np.asarray([np.nan])
-    stats = getattr(getattr(vocoder, "scheduler", None), "stats", None)
     after = _counters(vocoder)
     # This run's calls, batches and busy seconds by kind (the counters run over the vocoder's life).
     this_run = None if after is None or before is None else {
