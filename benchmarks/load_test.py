@@ -421,9 +421,12 @@ def main() -> None:
                    help="the scheduler's queue_behind (the smallest group queued behind a call on the device; "
                         "in-process configs). Several, comma-separated (e.g. 64,1000000: the second never queues): each K runs "
                         "under each, recorded as NAME@qb=N")
-    p.add_argument("--loop-scheduler", action="store_true",
-                   help="in-process asyncio runs schedule from their event loop's thread (PushScheduler.attach_loop) "
-                        "instead of the scheduler's own thread")
+    p.add_argument("--scheduler", default="thread",
+                   help="who schedules in-process asyncio runs: thread (the scheduler's own thread, the default) or "
+                        "loop (their event loop's thread: PushScheduler.attach_loop). Both, comma-separated "
+                        "(thread,loop): each K runs under each, recorded as NAME@sched=loop")
+    p.add_argument("--loop-scheduler", dest="scheduler", action="store_const", const="loop",
+                   help="the same as --scheduler loop")
     p.add_argument("--slots", type=int, default=None, help="device cache slots (CudaOptions.slots)")
     p.add_argument("--max-streams", type=int, default=None,
                    help="open streams at most (in-process configs and hift-serve --max-streams): a ramp past it shows "
@@ -479,8 +482,12 @@ def main() -> None:
     keep_freed_memory()  # as hift-serve's processes do: in-process and served alike
     intervals_ms = [float(x) for x in args.switch_interval_ms.split(",")] if args.switch_interval_ms else [None]
     queue_behinds = [int(x) for x in args.queue_behind.split(",")] if args.queue_behind else [None]
-    # Each K runs under every (switch interval, queue_behind) pair, one after the other, on the same open vocoder.
-    variants = [(ms, qb) for ms in intervals_ms for qb in queue_behinds]
+    drivers = args.scheduler.split(",")
+    if not set(drivers) <= {"thread", "loop"}:
+        p.error(f"--scheduler takes thread, loop or both, got {args.scheduler!r}")
+    # Each K runs under every (switch interval, queue_behind, scheduler) variant, one after the other, on the same
+    # open vocoder.
+    variants = [(ms, qb, d) for ms in intervals_ms for qb in queue_behinds for d in drivers]
     for name in args.configs.split(","):
         t0 = time.perf_counter()
         if name == "served":
@@ -521,37 +528,38 @@ def main() -> None:
             warm_stream_s = round(time.perf_counter() - t1, 2)
         if name != "served":
             tune_garbage_collector()  # as hift-serve does once warm
-        # One record per variant (the same open vocoder): NAME, or NAME@si=MS / @qb=N / @si=MS,qb=N when several
-        # switch intervals or queue_behinds are compared.
-        def key_of(ms: float | None, qb: int | None) -> str:
-            parts = ([f"si={ms:g}"] if len(intervals_ms) > 1 else []) + ([f"qb={qb}"] if len(queue_behinds) > 1 else [])
+        # One record per variant (the same open vocoder): NAME, or NAME@si=MS / @qb=N / @sched=D, joined by commas,
+        # for each axis with several values.
+        def key_of(ms: float | None, qb: int | None, driver: str) -> str:
+            parts = (([f"si={ms:g}"] if len(intervals_ms) > 1 else []) + ([f"qb={qb}"] if len(queue_behinds) > 1 else [])
+                     + ([f"sched={driver}"] if len(drivers) > 1 else []))
             return f"{name}@{','.join(parts)}" if parts else name
 
         keys = {v: key_of(*v) for v in variants}
-        rows_of: dict[tuple[float | None, int | None], list[dict[str, Any]]] = {v: [] for v in variants}
-        for (ms, qb), key in keys.items():
+        rows_of: dict[tuple[float | None, int | None, str], list[dict[str, Any]]] = {v: [] for v in variants}
+        for (ms, qb, driver), key in keys.items():
             result["configs"][key] = {"open_and_warmup_s": round(time.perf_counter() - t0, 1),
                                       "warm_stream_s": warm_stream_s, "parity_max_abs_vs_cpu": parity,
                                       "switch_interval_ms": ms, "queue_behind": qb,
-                                      "loop_scheduler": (args.loop_scheduler and args.clients == "asyncio"
+                                      "loop_scheduler": (driver == "loop" and args.clients == "asyncio"
                                                          and name != "served"),
                                       "engine": (f"hift-serve --frontend {args.served_frontend} --engine {args.engine} --precision {args.precision}"
                                                  + (f" x {args.served_processes} processes" if args.served_processes > 1 else "")
                                                  if name == "served" else
                                                  getattr(getattr(vocoder, "backend", None), "name", name)),
-                                      "gpu_memory_after_warmup_mb": gpu_memory_mb(), "runs": rows_of[(ms, qb)],
+                                      "gpu_memory_after_warmup_mb": gpu_memory_mb(), "runs": rows_of[(ms, qb, driver)],
                                       "warmup_seconds_by_shape": getattr(getattr(vocoder, "backend", None),
                                                                          "warmup_seconds", None)}
         try:
             for k in ks:
                 ended = 0
-                for (ms, qb), key in keys.items():
+                for (ms, qb, driver), key in keys.items():
                     if ms is not None:
                         sys.setswitchinterval(ms / 1e3)
                     if qb is not None and getattr(vocoder, "scheduler", None) is not None:
                         vocoder.scheduler.queue_behind = qb
-                    row = run_k(vocoder, k, args.seconds, args.clients, collections, args.loop_scheduler)
-                    rows_of[(ms, qb)].append(row)
+                    row = run_k(vocoder, k, args.seconds, args.clients, collections, driver == "loop")
+                    rows_of[(ms, qb, driver)].append(row)
                     print(key, json.dumps(row), flush=True)
                     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
                     # A miss does not end the ramp: a batching runtime can keep up better at larger K (bigger
