@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from .arrays import concat_rows
 from .streaming import CancelToken, PushCancelled, SchedulerClosed, StepCall, VocoderBackend
 
 __all__ = ["BatchStats", "PushScheduler", "SchedulerClosed", "run_batched"]
@@ -82,25 +83,11 @@ class _Flight:
     future: concurrent.futures.Future[tuple[list[Any], float]]
 
 
-def stack_rows(rows: list[np.ndarray]) -> np.ndarray:
-    """``np.concatenate(rows)`` along the first axis, as one join of their bytes when all are C-contiguous (the calls'
-    arrays are). NumPy releases the GIL in every row's copy, and in a busy process each release hands the GIL to
-    another thread and waits to get it back: 225 rows of mel took 50 ms beside two busy threads against 0.13 ms
-    alone, joined 0.3 ms (``benchmarks/gil_handoffs.py``). That was the device thread's time between calls."""
-    first = rows[0]
-    if len(rows) == 1 or first.size == 0 or not all(r.flags.c_contiguous and r.dtype == first.dtype for r in rows):
-        return np.concatenate(rows, axis=0)
-    data = bytearray().join(rows)
-    if len(data) != len(rows) * first.nbytes:  # rows of other shapes: NumPy says which
-        return np.concatenate(rows, axis=0)
-    return np.frombuffer(data, first.dtype).reshape(-1, *first.shape[1:])
-
-
 def _stack(rows: list[Any]) -> Any:
     """Host caches (dicts of arrays) stacked row by row; opaque per-stream handles (device slots) as a list."""
     if not isinstance(rows[0], dict):
         return list(rows)
-    return {k: stack_rows([r[k] for r in rows]) for k in rows[0]}
+    return {k: concat_rows([r[k] for r in rows]) for k in rows[0]}
 
 
 def _row(caches: Any, i: int) -> Any:
@@ -112,13 +99,15 @@ def _row(caches: Any, i: int) -> Any:
 
 
 def run_batched(backend: VocoderBackend, calls: list[StepCall]) -> list[Any]:
-    """Calls of one key as one batched backend call; each call's result (its row)."""
+    """Calls of one key as one batched backend call; each call's result (its row). The rows are stacked as bytes
+    (:func:`~.arrays.concat_rows`): by ``np.concatenate`` a batch's 225 mel rows took 50 ms beside two busy threads,
+    0.13 ms alone, joined 0.3 ms (``benchmarks/gil_handoffs.py``), in the device thread between two calls."""
     kind = calls[0].kind
     if kind == "f0":
-        mel = stack_rows([c.args[0] for c in calls])
+        mel = concat_rows([c.args[0] for c in calls])
         f0, nxt = backend.f0_step(mel, _stack([c.args[1] for c in calls]))
         return [(f0[i:i + 1], _row(nxt, i)) for i in range(len(calls))]
-    stacked = [stack_rows([c.args[j] for c in calls]) for j in range(5)]
+    stacked = [concat_rows([c.args[j] for c in calls]) for j in range(5)]
     audio, phase, nxt = backend.generator_step(*stacked, _stack([c.args[5] for c in calls]), kind == "final")
     return [(audio[i:i + 1], phase[i:i + 1], _row(nxt, i)) for i in range(len(calls))]
 

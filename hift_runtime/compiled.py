@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .arrays import copy_rows
 from .manifest import FOLDED_WEIGHTS, ArtifactError, Manifest
 from .noise import NoiseTable
 from .sessions import OFFLINE_SLOTS, PRECISIONS
@@ -143,12 +144,12 @@ class _Captured:
                 host[:self.batch].copy_(out, non_blocking=True)
 
     def run(self, values: list[np.ndarray], rows: int) -> list[np.ndarray]:
-        """The first ``rows`` rows of the outputs (copies: the buffers are the next call's) for ``values`` of
-        ``rows`` rows each."""
+        """The first ``rows`` rows of the outputs (copies, made under the GIL: the buffers are the next call's) for
+        ``values`` of ``rows`` rows each."""
         self.mirrors.write(values, rows, self.batch)
         self.graph.replay()
         torch.cuda.current_stream().synchronize()
-        return [out[:rows].copy() for out in self.mirrors.host_out]
+        return [copy_rows(out, rows) for out in self.mirrors.host_out]
 
 
 class _CacheRows:
@@ -358,7 +359,7 @@ class CompiledBackend:
                                "(use_noise_table)")
         slots = caches if isinstance(caches, list) else [caches]
         rows = mel.shape[0]
-        values = [mel, f0, noise.reshape(rows, 1).astype(np.int64), phase_in, first,
+        values = [mel, f0, noise.reshape(rows, 1).astype(np.int64, copy=False), phase_in, first,
                   np.array([s.index for s in slots], np.int64)]
         size = f0.shape[1] - (0 if final else self.constants.source_look_ahead)
         with self._lock, self._precision():

@@ -49,6 +49,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .arrays import concat_rows
 from .noise import NoiseTable
 
 # Outside this range the input is almost certainly not upstream's natural-log mel (log(clamp(., 1e-5)) >= -11.5).
@@ -643,7 +644,7 @@ class VocoderStream:
         writes = self._in_place and kind == "generator"  # a final step leaves the caches: the stream ends
         if writes:
             self._caches_written = True  # until the commit, a failure (not a cancellation) loses the stream
-        # Every array C-contiguous: a batched call stacks them as bytes (batching.stack_rows).
+        # Every array C-contiguous: a batched call stacks them as bytes (arrays.concat_rows).
         return StepCall(kind, (np.ascontiguousarray(mel[None]), f0[None], noise, phase, np.array([[position == 0]]),
                                caches), writes)
 
@@ -680,7 +681,7 @@ class VocoderStream:
                 pieces_f0.append(out[0])
                 pos += size
                 f0_calls += 1
-            f0, f0_end = np.concatenate(pieces_f0), target
+            f0, f0_end = concat_rows(pieces_f0), target
 
         # 2. Generator steps up to where mel look-ahead and source look-ahead are known; on finish, one final step.
         phase, caches = self._phase, self._gen_caches
@@ -703,7 +704,8 @@ class VocoderStream:
             steps.append(n - position)
             position = n
         # A copy, not views: a view would keep each step's output buffer alive for as long as the caller keeps it.
-        emitted = np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
+        # Joined as bytes: a NumPy copy would hand the GIL away in a busy process (arrays.py).
+        emitted = concat_rows(pieces) if pieces else np.zeros(0, np.float32)
         expected = (n if final else max(0, position - c.audio_lag)) * c.samples_per_frame - self.stats.samples_out
         if emitted.shape[0] != expected:
             raise RuntimeError(f"backend {self._v.backend.name} returned {emitted.shape[0]} samples for steps {steps}; "

@@ -25,6 +25,15 @@ needs_fixtures = pytest.mark.skipif(
 from hift_runtime.metrics import max_abs, snr_db  # noqa: E402,F401 - one max_abs (shape-checked), one SNR
 
 
+def holds_just_its_values(array: np.ndarray) -> bool:
+    """The memory under ``array`` (its base's base..., an array or a bytearray) is exactly its own values: keeping
+    it alive keeps nothing else alive (a view would pin a whole step buffer)."""
+    root = array
+    while isinstance(root, np.ndarray) and root.base is not None:
+        root = root.base
+    return memoryview(root).nbytes == array.nbytes
+
+
 def run_in_threads(work, args, timeout: float | None = None) -> list:
     """``work(arg)`` for each of ``args``, each in a thread of its own, all at once; the results in order. The first
     error any thread raised is raised here (after every thread ended), so a failing worker fails the test."""

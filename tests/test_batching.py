@@ -12,7 +12,7 @@ import pytest
 from hift_runtime import MelError, OverloadError, StreamError, open_vocoder
 from hift_runtime.batching import SchedulerClosed
 
-from .conftest import max_abs, run_in_threads
+from .conftest import holds_just_its_values, max_abs, run_in_threads
 from .test_hardening import FaultyBackend
 from .test_streaming import random_mel, stream_all
 
@@ -283,3 +283,25 @@ def _push_or_error(stream, chunk):
         return stream.push(chunk)
     except RuntimeError as exc:
         return exc
+
+
+def test_rows_joined_as_bytes_equal_numpy_and_are_new_arrays():
+    """The host path's copies under the GIL (arrays.py) give what np.concatenate gives, as arrays of their own; what
+    they cannot copy that way (mixed dtypes, non-contiguous rows, mismatched shapes) goes to NumPy, which also
+    raises for a shape that does not fit."""
+    from hift_runtime.arrays import concat_rows, copy_rows
+
+    rng = np.random.default_rng(0)
+    rows = [rng.random((n, 3, 4), dtype=np.float32) for n in (1, 2, 0, 5)]
+    for pieces in (rows, rows[:1], [np.arange(7.0)[2:], np.zeros(0)], [rows[0], rows[1].astype(np.float64)],
+                   [rows[1][:, :, ::2], rows[3][:, :, :2]]):
+        joined = concat_rows(pieces)
+        assert joined.dtype == np.concatenate(pieces).dtype and np.array_equal(joined, np.concatenate(pieces))
+        assert holds_just_its_values(joined) and joined.flags.writeable
+        assert all(not np.shares_memory(joined, p) for p in pieces)
+    with pytest.raises(ValueError):
+        concat_rows([rows[0], rng.random((1, 3, 5), dtype=np.float32)])
+    table = rng.random((8, 6))
+    part = copy_rows(table, 3)
+    assert np.array_equal(part, table[:3]) and holds_just_its_values(part)
+    assert np.array_equal(copy_rows(table[0], 4), table[0, :4])

@@ -1,0 +1,37 @@
+"""Array copies that keep the GIL: the host path's joins and copies, as memcpy of their bytes.
+
+NumPy releases the GIL inside nearly every array operation, whatever its size. In a busy process (streams' event
+loop, scheduler, device thread) each release hands the GIL to another thread and the caller waits to get it back, up
+to Python's switch interval: a copy of a few microseconds becomes a wait of hundreds (``benchmarks/gil_handoffs.py``).
+A ``bytearray`` join of buffers, or an assignment of one buffer's bytes to another through ``memoryview``, is a
+``memcpy`` under the GIL (``np.empty`` only allocates).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _bytes(array: np.ndarray) -> memoryview:
+    return memoryview(array).cast("B")
+
+
+def concat_rows(arrays: list[np.ndarray]) -> np.ndarray:
+    """``np.concatenate(arrays, axis=0)`` (a new array, even of one piece), as one join of their bytes when every
+    array is C-contiguous with the same dtype and trailing shape (else NumPy's, which also says what does not fit).
+    The result is writable and its memory (a ``bytearray``) holds exactly its values. (One ``bytearray`` join of a
+    batch's 225 mel rows: 0.1 ms; the same copies through ``memoryview`` slices one by one: 0.6 ms.)"""
+    first = arrays[0]
+    tail = first.shape[1:]
+    if first.ndim == 0 or 0 in tail or not all(a.flags.c_contiguous and a.dtype == first.dtype and a.shape[1:] == tail
+                                  for a in arrays):
+        return np.concatenate(arrays, axis=0)
+    return np.frombuffer(bytearray().join(arrays), first.dtype).reshape(-1, *tail)
+
+
+def copy_rows(array: np.ndarray, rows: int) -> np.ndarray:
+    """A copy of ``array[:rows]`` (``array`` C-contiguous), made under the GIL."""
+    out = np.empty((rows, *array.shape[1:]), array.dtype)
+    if out.nbytes:
+        _bytes(out)[:] = _bytes(array)[:out.nbytes]
+    return out
