@@ -6,7 +6,7 @@ keep the GIL busy (as the event loop, the scheduler and the device thread do at 
 NumPy releases the GIL inside most array operations, whatever their size; with other threads waiting for it, each
 release hands the GIL over and the caller waits to get it back (up to Python's switch interval, 0.5 ms here as in
 hift-serve). An operation of microseconds then costs a hand-off: the stacking of a batch's rows (one release per row)
-is where a batched call's host time goes. ``bytes.join`` copies under the GIL (one release at most, for large joins).
+is where a batched call's host time goes. ``bytes.join`` and ``hift_runtime.arrays`` copy under the GIL.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+
+from hift_runtime.arrays import concat_rows, copy_rows
 
 
 def _spin(stop: threading.Event) -> None:
@@ -54,6 +56,9 @@ def operations(batch: int) -> dict[str, Callable[[], object]]:
         "tobytes of a step's audio": lambda: audio.tobytes(),
         f"np.concatenate of {batch} rows (a batched call's mel)": lambda: np.concatenate(rows),
         f"bytes.join of {batch} rows, then frombuffer": lambda: np.frombuffer(b"".join(rows), np.float32),
+        f"arrays.concat_rows of {batch} rows (what the scheduler does)": lambda: concat_rows(rows),
+        "arrays.copy_rows of a step's audio (the compiled engine's copy out)": lambda: copy_rows(audio, 1),
+        "arrays.concat_rows of a push's emitted audio (one piece)": lambda: concat_rows([audio[0]]),
     }
 
 
