@@ -23,8 +23,9 @@ def concat_rows(arrays: list[np.ndarray]) -> np.ndarray:
     batch's 225 mel rows: 0.1 ms; the same copies through ``memoryview`` slices one by one: 0.6 ms.)"""
     first = arrays[0]
     tail = first.shape[1:]
-    if first.ndim == 0 or 0 in tail or not all(a.flags.c_contiguous and a.dtype == first.dtype and a.shape[1:] == tail
-                                  for a in arrays):
+    joinable = first.ndim > 0 and 0 not in tail and all(
+        a.flags.c_contiguous and a.dtype == first.dtype and a.shape[1:] == tail for a in arrays)
+    if not joinable:
         return np.concatenate(arrays, axis=0)
     return np.frombuffer(bytearray().join(arrays), first.dtype).reshape(-1, *tail)
 
