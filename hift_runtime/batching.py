@@ -100,8 +100,8 @@ def _row(caches: Any, i: int) -> Any:
 
 def run_batched(backend: VocoderBackend, calls: list[StepCall]) -> list[Any]:
     """Calls of one key as one batched backend call; each call's result (its row). The rows are stacked as bytes
-    (:func:`~.arrays.concat_rows`): by ``np.concatenate`` a batch's 225 mel rows took 50 ms beside two busy threads,
-    0.13 ms alone, joined 0.3 ms (``benchmarks/gil_handoffs.py``), in the device thread between two calls."""
+    (:func:`~.arrays.concat_rows`): by ``np.concatenate`` a batch's 225 mel rows took 23-50 ms beside two busy
+    threads (0.2 ms alone), joined 0.3-1.1 ms (``benchmarks/gil_handoffs.py``), in the device thread between calls."""
     kind = calls[0].kind
     if kind == "f0":
         mel = concat_rows([c.args[0] for c in calls])
