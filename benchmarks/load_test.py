@@ -485,6 +485,8 @@ def main() -> None:
     drivers = args.scheduler.split(",")
     if not set(drivers) <= {"thread", "loop"}:
         p.error(f"--scheduler takes thread, loop or both, got {args.scheduler!r}")
+    if "loop" in drivers and args.clients != "asyncio":
+        p.error("--scheduler loop schedules from the clients' event loop: it needs --clients asyncio")
     # Each K runs under every (switch interval, queue_behind, scheduler) variant, one after the other, on the same
     # open vocoder.
     variants = [(ms, qb, d) for ms in intervals_ms for qb in queue_behinds for d in drivers]
