@@ -537,8 +537,9 @@ def main() -> None:
                      + ([f"sched={driver}"] if len(drivers) > 1 else []))
             return f"{name}@{','.join(parts)}" if parts else name
 
-        keys = {v: key_of(*v) for v in variants}
-        rows_of: dict[tuple[float | None, int | None, str], list[dict[str, Any]]] = {v: [] for v in variants}
+        # A served config schedules inside its servers (hift-serve's scheduler thread): no loop-driven variant.
+        keys = {v: key_of(*v) for v in variants if name != "served" or v[2] == "thread"}
+        rows_of: dict[tuple[float | None, int | None, str], list[dict[str, Any]]] = {v: [] for v in keys}
         for (ms, qb, driver), key in keys.items():
             result["configs"][key] = {"open_and_warmup_s": round(time.perf_counter() - t0, 1),
                                       "warm_stream_s": warm_stream_s, "parity_max_abs_vs_cpu": parity,
