@@ -320,10 +320,8 @@ class PushScheduler:
                         self._cv.wait(wait)
                     else:
                         self._cv.wait()
-                arrivals, self._arrivals = self._arrivals, []
-                cancellations, self._cancellations = self._cancellations, []
-                closing = self._closing
-            if self._step(arrivals, cancellations, closing):
+                taken = self._take()
+            if self._step(*taken):
                 return
 
     def _kick(self) -> None:
@@ -347,10 +345,8 @@ class PushScheduler:
             return
         while True:  # a step lands one call; the one queued behind it may have finished too (its wake-up spent)
             with self._cv:
-                arrivals, self._arrivals = self._arrivals, []
-                cancellations, self._cancellations = self._cancellations, []
-                closing = self._closing
-            if self._step(arrivals, cancellations, closing):
+                taken = self._take()
+            if self._step(*taken):
                 self._closed.set()
                 return
             if not (self._flights and self._flights[0].future.done()):
@@ -363,6 +359,13 @@ class PushScheduler:
     def _partner_timer(self) -> None:
         self._timer = None
         self._kick()
+
+    def _take(self) -> tuple[list[_Push], list[_Push], bool]:
+        """(Under ``_cv``.) The arrivals and cancellations so far, handed from the lists others append to, and
+        whether the scheduler is closing: what one :meth:`_step` works on."""
+        arrivals, self._arrivals = self._arrivals, []
+        cancellations, self._cancellations = self._cancellations, []
+        return arrivals, cancellations, self._closing
 
     def _step(self, arrivals: list[_Push], cancellations: list[_Push], closing: bool) -> bool:
         """Take in arrivals and cancellations, hand out a landed call's results, start the calls due. True once
