@@ -12,7 +12,9 @@ from __future__ import annotations
 import numpy as np
 
 
-def _bytes(array: np.ndarray) -> memoryview:
+def byte_view(array: np.ndarray) -> memoryview:
+    """``array``'s memory as bytes (C-contiguous, not empty): assigning to a slice of it, or from it, is a memcpy
+    under the GIL."""
     return memoryview(array).cast("B")
 
 
@@ -34,5 +36,5 @@ def copy_rows(array: np.ndarray, rows: int) -> np.ndarray:
     """A copy of ``array[:rows]`` (``array`` C-contiguous), made under the GIL."""
     out = np.empty((rows, *array.shape[1:]), array.dtype)
     if out.nbytes:
-        _bytes(out)[:] = _bytes(array)[:out.nbytes]
+        byte_view(out)[:] = byte_view(array)[:out.nbytes]
     return out

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .arrays import copy_rows
+from .arrays import byte_view, copy_rows
 from .manifest import FOLDED_WEIGHTS, ArtifactError, Manifest
 from .noise import NoiseTable
 from .sessions import OFFLINE_SLOTS, PRECISIONS
@@ -109,8 +109,8 @@ class _Mirrors:
             if value.shape != (rows, *host.shape[1:]):
                 raise ValueError(f"a step input of shape {value.shape} for {rows} rows of {host.shape[1:]}")
             row = host[0].nbytes
-            buffer = memoryview(host).cast("B")
-            buffer[:rows * row] = memoryview(value).cast("B")
+            buffer = byte_view(host)
+            buffer[:rows * row] = byte_view(value)
             if rows < upto:
                 buffer[rows * row:upto * row] = bytes((upto - rows) * row)
         self.dirty = self.dirty if self.dirty > batch else rows
