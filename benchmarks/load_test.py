@@ -544,8 +544,7 @@ def main() -> None:
             result["configs"][key] = {"open_and_warmup_s": round(time.perf_counter() - t0, 1),
                                       "warm_stream_s": warm_stream_s, "parity_max_abs_vs_cpu": parity,
                                       "switch_interval_ms": ms, "queue_behind": qb,
-                                      "loop_scheduler": (driver == "loop" and args.clients == "asyncio"
-                                                         and name != "served"),
+                                      "loop_scheduler": driver == "loop",  # asyncio clients, in process
                                       "engine": (f"hift-serve --frontend {args.served_frontend} --engine {args.engine} --precision {args.precision}"
                                                  + (f" x {args.served_processes} processes" if args.served_processes > 1 else "")
                                                  if name == "served" else
