@@ -1,35 +1,45 @@
-"""Where the compiled engine's device time goes, kernel by kernel: the generator step (stream step, 24 frames) and the
-F0 step, per precision and batch size, through ``torch.profiler``. Not a test: it reports figures.
+"""Where the compiled engine's device time goes, kernel by kernel: the generator step (stream step) and the F0 step,
+per precision, step size and batch size, through ``torch.profiler``. Not a test: it reports figures.
 
     python benchmarks/profile_compiled.py --artifacts DIR --out R.json [--precisions tf32,fp16,fp32]
-        [--batches 2,256] [--frames 24] [--variants default,max-autotune] [--budget-s 500]
+        [--batches 2,256] [--frames 24,8,4,1] [--variants default,max-autotune,channels-last] [--budget-s 500]
 
-Each (precision, variant) compiles the step once (batch dynamic, as the engine does), then calls it ``--runs`` times
-per batch size as ordinary launches (a CUDA-graph replay runs the same kernels without the launch gaps) and sums the
-kernels' device time by family: convolutions (cuDNN / CUTLASS: forward, and ``dgrad`` for the transposed ones),
-inductor's fused Triton kernels, and the rest (the eager source's copies, gathers and elementwise ops). Per stream-step
-= a step's kernel time / batch: what bounds capacity once the host path is out of the way (real-time streams at 100 %
-device = 0.48 s x batch / kernel time of a 24-frame step, before the F0 step and the final steps).
+Each (precision, variant, step size) compiles the step once (batch dynamic, as the engine does), then calls it
+``--runs`` times per batch size as ordinary launches (a CUDA-graph replay runs the same kernels without the launch
+gaps) and sums the kernels' device time by family: inductor's fused Triton kernels, cuDNN's layout transposes
+(NCHW <-> NHWC around its tensor-core kernels), convolutions (cuDNN / CUTLASS), and the rest (the eager source's
+copies, gathers and elementwise ops); every kernel is listed. Per stream-step and per
+stream-frame = a step's kernel time / batch (/ frames): what bounds capacity once the host path is out of the way (at
+100 % device one GPU carries 20 ms / per-stream-frame ms real-time streams, before the F0 and final steps).
 
 Variants: ``default`` (the engine as it ships), ``max-autotune`` (inductor's ``max_autotune``: Triton templates for
-the convolutions and matmuls benchmarked against cuDNN at compile time; much longer compiles). The JSON is rewritten
-after each (precision, variant), so a run cut short keeps what it measured.
+the convolutions and matmuls benchmarked against cuDNN at compile time), ``channels-last`` (an experiment, not in the
+engine: every generator convolution run as a 2-D one over ``[B, C, 1, T]`` with its weight stored once in
+channels-last layout and inductor's layout optimization forced, so cuDNN's tensor-core kernels get NHWC operands
+without a transpose before and after each; on the H200 those transposes were 26 % of the tf32 step at B = 256 and 31 %
+of the fp16 one). Each variant's audio is compared with the default's on the same inputs (``vs_default``). The JSON
+is rewritten after each (precision, variant), so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+# Checked in this order: inductor names a fused kernel after the ops it holds ("triton_poi_fused_add_convolution_3"
+# is the bias add after a convolution), and cuDNN's layout transposes around an NHWC kernel are a family of their own.
 FAMILIES = (
+    ("triton (fused)", ("triton_",)),
+    ("layout transpose (cuDNN)", ("nchwtonhwc", "nhwctonchw")),
     ("convolution", ("conv", "cudnn", "xmma", "implicit", "cutlass", "gemm", "dgrad", "wgrad", "winograd", "fft",
                      "precomputed", "sm90_", "sm80_", "nhwc", "nchw")),
-    ("triton (fused)", ("triton_",)),
     ("copy / index", ("copy", "index", "gather", "scatter", "memcpy", "memset", "fill", "cat")),
 )
 
@@ -79,13 +89,77 @@ def profile_calls(fn: Any, args: list[Any], runs: int, cuda: bool = True) -> dic
         row["ms"] += ms
         row["kernels"] += count
     total = sum(ms for ms, _ in kernels.values())
-    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:12]
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])
     return {"kernel_ms": round(total, 4), "kernels_per_call": round(sum(c for _, c in kernels.values()), 1),
             "wall_ms_median": round(statistics.median(walls), 4),
             "by_family": {k: {"ms": round(v["ms"], 4), "share": round(v["ms"] / total, 3) if total else 0.0,
                               "kernels": round(v["kernels"], 1)}
                           for k, v in sorted(by_family.items(), key=lambda kv: -kv[1]["ms"])},
-            "top": [{"kernel": name[:140], "ms": round(ms, 4), "count": round(count, 1)} for name, (ms, count) in top]}
+            "kernels": [{"kernel": name[:160], "family": family(name), "ms": round(ms, 4), "count": round(count, 1)}
+                        for name, (ms, count) in ranked]}
+
+
+@contextlib.contextmanager
+def channels_last_convolutions(generator: Any) -> Iterator[None]:
+    """The ``channels-last`` variant (see the module docstring): ``generator``'s Conv1d weights become ``[O, I, 1, K]``
+    channels-last tensors (once, here) and ``F.conv1d`` given such a weight runs ``conv2d`` on ``x.unsqueeze(2)``;
+    any other call (the STFT's fixed kernel, the F0 step) is unchanged. ``F.conv1d`` is restored on exit."""
+    import torch
+    import torch.nn.functional as F
+
+    for module in generator.modules():
+        if isinstance(module, torch.nn.Conv1d) and module.weight.dim() == 3:
+            weight = module.weight.detach().unsqueeze(2).contiguous(memory_format=torch.channels_last)
+            module.weight = torch.nn.Parameter(weight, requires_grad=False)
+    original = F.conv1d
+
+    def first(value: Any) -> int:
+        return int(value[0]) if isinstance(value, (tuple, list)) else int(value)
+
+    def conv1d(x: Any, weight: Any, bias: Any = None, stride: Any = 1, padding: Any = 0, dilation: Any = 1,
+               groups: int = 1) -> Any:
+        if weight.dim() != 4:
+            return original(x, weight, bias, stride, padding, dilation, groups)
+        if isinstance(padding, str):
+            if padding != "valid":
+                raise ValueError(f"channels-last variant: padding={padding!r} is not handled")
+            padding = 0
+        y = F.conv2d(x.unsqueeze(2), weight, bias, stride=(1, first(stride)), padding=(0, first(padding)),
+                     dilation=(1, first(dilation)), groups=groups)
+        return y.squeeze(2)
+
+    F.conv1d = conv1d
+    try:
+        yield
+    finally:
+        F.conv1d = original
+
+
+def profile_shape(backend: Any, frames: int, batch: int, runs: int, cuda: bool, reference: list[Any]
+                  ) -> dict[str, Any]:
+    """The generator and F0 steps of ``frames`` x ``batch`` profiled; the audio compared with ``reference[0]`` (the
+    first variant's, which an empty ``reference`` receives)."""
+    import torch
+
+    gen = backend._zeros("generator", frames, batch)
+    torch.manual_seed(batch)
+    gen[0].copy_(torch.randn(gen[0].shape) * 2.0 - 5.0)
+    gen[1].fill_(200.0)
+    # Every row reads zero caches (first) and writes the scratch row: each call is the same step.
+    audio = backend._compiled["generator"](*gen)[0].float().cpu()
+    row = profile_calls(backend._compiled["generator"], gen, runs, cuda)
+    if reference:
+        error = (audio - reference[0]).abs().max().item()
+        noise = (audio - reference[0]).square().sum().clamp_min(1e-30)
+        row["vs_default"] = {"max_abs": error,
+                             "snr_db": round(10 * torch.log10(reference[0].square().sum() / noise).item(), 1)}
+    else:
+        reference.append(audio)
+    row["kernel_ms_per_stream_step"] = round(row["kernel_ms"] / batch, 4)
+    row["kernel_ms_per_stream_frame"] = round(row["kernel_ms"] / batch / frames, 5)
+    f0 = backend._zeros("f0", frames, batch)
+    f0[0].copy_(torch.randn(f0[0].shape) * 2.0 - 5.0)
+    return {"generator": row, "f0": profile_calls(backend._compiled["f0"], f0, runs, cuda)}
 
 
 def main() -> None:
@@ -94,7 +168,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--precisions", default="tf32,fp16,fp32")
     p.add_argument("--batches", default="2,256")
-    p.add_argument("--frames", type=int, default=24)
+    p.add_argument("--frames", default="24", help="step sizes in frames, each a compile of its own (e.g. 24,8,4,1)")
     p.add_argument("--variants", default="default")
     p.add_argument("--runs", type=int, default=10)
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (fp32, uncompiled: to try the script)")
@@ -117,8 +191,11 @@ def main() -> None:
     result: dict[str, Any] = {"when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                               "command": "python benchmarks/profile_compiled.py " + " ".join(
                                   f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
-                              "torch": torch.__version__, "device": torch.cuda.get_device_name(0) if cuda else "cpu", "runs": {}}
+                              "torch": torch.__version__, "runs": {},
+                              "device": torch.cuda.get_device_name(0) if cuda else "cpu"}
     noise = NoiseTable.seeded(0, constants.noise_table_length, constants.num_sines)
+    references: dict[tuple[str, str], list[Any]] = {}  # the first variant's audio per (precision, shape)
+    frame_sizes = [int(f) for f in str(args.frames).split(",")]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     for precision in args.precisions.split(","):
@@ -127,32 +204,32 @@ def main() -> None:
                 result["runs"][f"{precision}/{variant}"] = {"skipped": "over --budget-s"}
                 continue
             inductor_config.max_autotune = variant == "max-autotune"
+            inductor_config.force_layout_optimization = variant == "channels-last"
             backend = CompiledBackend(manifest, constants, device=args.device, precision=precision,
-                                      step_sizes=(args.frames,), batch_sizes=tuple(batches), slots=max(batches) + 8)
+                                      step_sizes=tuple(frame_sizes), batch_sizes=tuple(batches),
+                                      slots=max(batches) + 8)
             backend.use_noise_table(noise)
             run: dict[str, Any] = {}
-            with backend._precision():
-                t0 = time.perf_counter()
-                example = backend._zeros("generator", args.frames, batches[0])
-                _mark_batch_dynamic(example)
-                backend._compiled["generator"](*example)
-                if cuda:
-                    torch.cuda.synchronize()
-                run["compile_s"] = round(time.perf_counter() - t0, 1)
-                for batch in batches:
-                    gen = backend._zeros("generator", args.frames, batch)
-                    gen[0].normal_(-5.0, 2.0)
-                    gen[1].fill_(200.0)
-                    row = profile_calls(backend._compiled["generator"], gen, args.runs, cuda)
-                    row["kernel_ms_per_stream_step"] = round(row["kernel_ms"] / batch, 4)
-                    row["streams_at_full_device"] = round(batch * args.frames * 0.02 / (row["kernel_ms"] / 1e3))
-                    f0 = backend._zeros("f0", args.frames, batch)
-                    f0[0].normal_(-5.0, 2.0)
-                    f0_row = profile_calls(backend._compiled["f0"], f0, args.runs, cuda)
-                    run[str(batch)] = {"generator": row, "f0": f0_row}
-                    print(precision, variant, batch, json.dumps({k: row[k] for k in (
-                        "kernel_ms", "wall_ms_median", "kernel_ms_per_stream_step", "streams_at_full_device")}),
-                          json.dumps(row["by_family"]), "f0", f0_row["kernel_ms"], flush=True)
+            layout = channels_last_convolutions(backend.generator) if variant == "channels-last" \
+                else contextlib.nullcontext()
+            with layout, backend._precision():
+                for frames in frame_sizes:
+                    t0 = time.perf_counter()
+                    example = backend._zeros("generator", frames, batches[0])
+                    _mark_batch_dynamic(example)
+                    backend._compiled["generator"](*example)
+                    if cuda:
+                        torch.cuda.synchronize()
+                    run[f"compile_s_{frames}"] = round(time.perf_counter() - t0, 1)
+                    for batch in batches:
+                        shape = f"{frames}x{batch}"
+                        run[shape] = profile_shape(backend, frames, batch, args.runs, cuda,
+                                                   references.setdefault((precision, shape), []))
+                        row = run[shape]["generator"]
+                        print(precision, variant, shape, json.dumps({k: row[k] for k in (
+                            "kernel_ms", "wall_ms_median", "kernel_ms_per_stream_step", "vs_default")
+                            if k in row}), json.dumps(row["by_family"]), "f0", run[shape]["f0"]["kernel_ms"],
+                              flush=True)
             result["runs"][f"{precision}/{variant}"] = run
             del backend
             if cuda:
