@@ -56,6 +56,9 @@ class BatchStats:
     busy_s: float = 0.0  # time inside the backend's calls (the device's utilisation over a run)
     queued: int = 0  # batches started behind another still on the device (no scheduler wake-up between the two)
     by_kind: dict[str, list[float]] = field(default_factory=dict)  # kind -> [calls, batches, busy seconds]
+    # The same by step shape, "kind@mel frames" (the step's frames plus its look-ahead): what each step size costs
+    # the device, e.g. a stream's short edge steps against its full ones.
+    by_shape: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -469,15 +472,16 @@ class PushScheduler:
                 self._fail(p, exc)
             return
         st = self.stats
-        kind_name = flight.group[0].call.kind  # type: ignore[union-attr]
+        kind_name, mel_frames = flight.group[0].call.key  # type: ignore[union-attr]
         st.busy_s += busy
         st.calls += len(flight.group)
         st.batches += 1
         st.max_batch = max(st.max_batch, len(flight.group))
-        kind = st.by_kind.setdefault(kind_name, [0, 0, 0.0])
-        kind[0] += len(flight.group)
-        kind[1] += 1
-        kind[2] += busy
+        for counter in (st.by_kind.setdefault(kind_name, [0, 0, 0.0]),
+                        st.by_shape.setdefault(f"{kind_name}@{mel_frames}", [0, 0, 0.0])):
+            counter[0] += len(flight.group)
+            counter[1] += 1
+            counter[2] += busy
         for p, result in zip(flight.group, results):
             self._send(p, result, ready)
 

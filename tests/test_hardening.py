@@ -403,6 +403,12 @@ def test_busy_time_keeps_short_calls(cpu):
     stats = vocoder.scheduler.stats
     total = sum(kind[2] for kind in stats.by_kind.values())
     assert total > 0 and total == pytest.approx(stats.busy_s, rel=1e-9)
+    # By step shape: each kind's calls, batches and busy time split over its step sizes (the first push's short
+    # steps apart from the 24-frame ones).
+    for kind, counts in stats.by_kind.items():
+        shapes = [v for key, v in stats.by_shape.items() if key.split("@")[0] == kind]
+        assert len(shapes) >= (2 if kind == "generator" else 1)
+        assert [sum(v[i] for v in shapes) for i in range(3)] == pytest.approx(counts, rel=1e-9)
     vocoder.close()
 
 
