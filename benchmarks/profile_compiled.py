@@ -53,8 +53,8 @@ def family(kernel: str) -> str:
 
 
 def profile_calls(fn: Any, args: list[Any], runs: int, cuda: bool = True) -> dict[str, Any]:
-    """Kernel device time of ``runs`` calls of ``fn(*args)``: by family and the top kernels, per call; plus the wall
-    time per call measured apart from the profiler. (``cuda=False``: CPU ops instead of kernels, to try the script.)"""
+    """Kernel device time of ``runs`` calls of ``fn(*args)``, per call: in all, by family and kernel by kernel; plus
+    the wall time per call measured apart from the profiler. (``cuda=False``: CPU ops instead, to try the script.)"""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
