@@ -176,14 +176,24 @@ def triton_this_run(before: dict[str, float], after: dict[str, float]) -> dict[s
             "mean_compute_ms": round(d["compute_us"] / d["successes"] / 1e3, 3) if d["successes"] else 0.0}
 
 
-def _counters(vocoder) -> dict[str, list[float]] | None:
+def _counters(vocoder) -> dict[str, dict[str, list[float]]] | None:
     """The scheduler's calls/batches/busy seconds by kind and by step shape ("kind@mel frames"), copied (a later run
     must not change a reported row)."""
     stats = getattr(getattr(vocoder, "scheduler", None), "stats", None)
     if stats is None:
         return None
-    return {**{kind: list(v) for kind, v in stats.by_kind.items()},
-            **{shape: list(v) for shape, v in getattr(stats, "by_shape", {}).items()}}
+    return {"by_kind": {kind: list(v) for kind, v in stats.by_kind.items()},
+            "by_shape": {shape: list(v) for shape, v in getattr(stats, "by_shape", {}).items()}}
+
+
+def _counted_since(before: dict[str, dict[str, list[float]]] | None, after: dict[str, dict[str, list[float]]] | None
+                   ) -> dict[str, dict[str, list[float]]] | None:
+    """What :func:`_counters` counted between ``before`` and ``after``: this run's calls, batches and busy seconds."""
+    if before is None or after is None:
+        return None
+    return {f"calls_batches_busy_s_{group}": {
+        key: [round(v - w, 4) for v, w in zip(counts, before[group].get(key, [0, 0, 0.0]))]
+        for key, counts in after[group].items()} for group in after}
 
 
 def _channels_last(vocoder, layouts: contextlib.ExitStack) -> None:
@@ -317,9 +327,7 @@ def run_k(vocoder, k: int, seconds: float, clients: str = "threads", collections
     f = np.asarray(first) * 1e3 if first else np.asarray([np.nan])
     c = np.asarray(call_lat) * 1e3 if call_lat else np.asarray([np.nan])
     after = _counters(vocoder)
-    # This run's calls, batches and busy seconds by kind (the counters run over the vocoder's life).
-    this_run = None if after is None or before is None else {
-        key: [round(v - w, 4) for v, w in zip(after[key], before.get(key, [0, 0, 0.0]))] for key in after}
+    this_run = _counted_since(before, after)  # the counters run over the vocoder's life
     served = vocoder.batches() if isinstance(vocoder, _Served) else None
     # Full garbage collections (each a stall of every stream of its process): this run's count; the longest of this
     # run in process, since the servers started when served.
@@ -337,10 +345,7 @@ def run_k(vocoder, k: int, seconds: float, clients: str = "threads", collections
             "gpu_memory_mb": gpu_memory_mb(), "max_batch": getattr(stats, "max_batch", 1),
             "queued_batches": getattr(stats, "queued", 0) - queued_before,  # started behind another on the device
             "gc_full_collections": full - collections_before, "gc_full_collection_max_ms": round(longest_ms, 1),
-            **({"batcher_this_run": {
-                "calls_batches_busy_s_by_kind": {k: v for k, v in this_run.items() if "@" not in k},
-                "calls_batches_busy_s_by_shape": {k: v for k, v in this_run.items() if "@" in k}}}
-               if this_run is not None else {}),
+            **({"batcher_this_run": this_run} if this_run is not None else {}),
             **({"triton_total": served, "triton_this_run": triton_this_run(triton_before or {}, served)}
                if served else {}),
             "push_p95_ms_by_index": [round(float(np.percentile(by_index[j], 95)) * 1e3, 1) for j in sorted(by_index)],
