@@ -26,10 +26,8 @@ from typing import Any
 
 
 def compile_one(artifacts: str, precision: str, slots: int, device: str, kind: str, size: int) -> float:
-    """Compile one step shape as the engine's warmup compiles it (its first capture, at batch 2); seconds."""
-    import torch
-
-    from hift_runtime.compiled import CompiledBackend, _mark_batch_dynamic
+    """Compile one step shape as the engine's warmup compiles it (``CompiledBackend.compile_shape``); seconds."""
+    from hift_runtime.compiled import CompiledBackend
     from hift_runtime.manifest import read_manifest
     from hift_runtime.noise import NoiseTable
     from hift_runtime.streaming import StreamConstants
@@ -40,14 +38,7 @@ def compile_one(artifacts: str, precision: str, slots: int, device: str, kind: s
                               compile=True)
     # The noise table is read by the eager source only (outside the compiled part): a short one serves.
     backend.use_noise_table(NoiseTable.seeded(0, 4 * 24 * constants.samples_per_frame, constants.num_sines))
-    started = time.perf_counter()
-    with backend._precision():
-        example = backend._zeros(kind, size, 2)
-        _mark_batch_dynamic(example)
-        backend._compiled[kind](*example)
-        if backend.on_cuda:
-            torch.cuda.synchronize(backend.device)
-    return time.perf_counter() - started
+    return backend.compile_shape(kind, size)
 
 
 def shapes(artifacts: str) -> list[tuple[str, int]]:

@@ -392,9 +392,7 @@ class CompiledBackend:
                     continue
                 shape_started = time.perf_counter()
                 fn = self._compiled[kind]
-                example = self._zeros(kind, size, batch)
-                if kind != "f0":
-                    _mark_batch_dynamic(example)
+                example = self._example(kind, size, batch)
                 if self.cuda_graphs:
                     self._graphs[(kind, size, batch)] = _Captured(
                         fn, example, self._graph_pool, functools.partial(self._mirrors_of, kind, size))
@@ -407,6 +405,25 @@ class CompiledBackend:
             torch.cuda.synchronize(self.device)
         self.compiles_at_warmup = compile_count()
         say(warmup_summary(self.warmup_seconds))
+
+    def compile_shape(self, kind: str, size: int) -> float:
+        """Compile the step ``kind`` of ``size`` frames as :meth:`warmup` compiles it (the same inputs, at the
+        smallest batch), without capturing: what fills inductor's on-disk cache for a later warmup, or profiles the
+        step (``benchmarks/precompile.py``, ``benchmarks/profile_compiled.py``). Seconds."""
+        started = time.perf_counter()
+        with self._precision():
+            self._compiled[kind](*self._example(kind, size, self.batch_sizes[0]))
+            if self.on_cuda:
+                torch.cuda.synchronize(self.device)
+        return time.perf_counter() - started
+
+    def _example(self, kind: str, size: int, batch: int) -> list[torch.Tensor]:
+        """:meth:`_zeros`, marked as a compile sees them: the batch dynamic for the generator steps (the F0 step runs
+        eagerly)."""
+        example = self._zeros(kind, size, batch)
+        if kind != "f0":
+            _mark_batch_dynamic(example)
+        return example
 
     def _mirrors_of(self, kind: str, size: int, inputs: list[torch.Tensor], outputs: tuple[torch.Tensor, ...]
                     ) -> _Mirrors:
