@@ -199,13 +199,11 @@ def _counted_since(before: dict[str, dict[str, list[float]]] | None, after: dict
 def _channels_last(vocoder, layouts: contextlib.ExitStack) -> None:
     """``profile_compiled.py``'s channels-last variant on this vocoder's compiled engine, before its warmup compiles
     (inductor's layout optimization forced, the generator's convolutions 2-D over channels-last weights)."""
-    import torch._inductor.config as inductor_config
     from profile_compiled import channels_last_convolutions  # same folder
 
     backend = getattr(vocoder, "backend", None)
     if not hasattr(backend, "generator"):
         raise SystemExit("--conv-layout channels-last needs the compiled engine (--engine compiled)")
-    inductor_config.force_layout_optimization = True
     layouts.enter_context(channels_last_convolutions(backend.generator))
 
 

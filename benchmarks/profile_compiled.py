@@ -103,8 +103,10 @@ def profile_calls(fn: Any, args: list[Any], runs: int, cuda: bool = True) -> dic
 def channels_last_convolutions(generator: Any) -> Iterator[None]:
     """The ``channels-last`` variant (see the module docstring): ``generator``'s Conv1d weights become ``[O, I, 1, K]``
     channels-last tensors (once, here) and ``F.conv1d`` given such a weight runs ``conv2d`` on ``x.unsqueeze(2)``;
-    any other call (the STFT's fixed kernel, the F0 step) is unchanged. ``F.conv1d`` is restored on exit."""
+    any other call (the STFT's fixed kernel, the F0 step) is unchanged; inductor's layout optimization is forced for
+    what compiles meanwhile. ``F.conv1d`` and inductor's setting are restored on exit."""
     import torch
+    import torch._inductor.config as inductor_config
     import torch.nn.functional as F
 
     for module in generator.modules():
@@ -130,7 +132,8 @@ def channels_last_convolutions(generator: Any) -> Iterator[None]:
 
     F.conv1d = conv1d
     try:
-        yield
+        with inductor_config.patch(force_layout_optimization=True):
+            yield
     finally:
         F.conv1d = original
 
@@ -178,7 +181,7 @@ def main() -> None:
     import torch
     import torch._inductor.config as inductor_config
 
-    from hift_runtime.compiled import CompiledBackend, _mark_batch_dynamic
+    from hift_runtime.compiled import CompiledBackend
     from hift_runtime.manifest import read_manifest
     from hift_runtime.noise import NoiseTable
     from hift_runtime.streaming import StreamConstants
@@ -204,7 +207,6 @@ def main() -> None:
                 result["runs"][f"{precision}/{variant}"] = {"skipped": "over --budget-s"}
                 continue
             inductor_config.max_autotune = variant == "max-autotune"
-            inductor_config.force_layout_optimization = variant == "channels-last"
             backend = CompiledBackend(manifest, constants, device=args.device, precision=precision,
                                       step_sizes=tuple(frame_sizes), batch_sizes=tuple(batches),
                                       slots=max(batches) + 8)
@@ -214,13 +216,7 @@ def main() -> None:
                 else contextlib.nullcontext()
             with layout, backend._precision():
                 for frames in frame_sizes:
-                    t0 = time.perf_counter()
-                    example = backend._zeros("generator", frames, batches[0])
-                    _mark_batch_dynamic(example)
-                    backend._compiled["generator"](*example)
-                    if cuda:
-                        torch.cuda.synchronize()
-                    run[f"compile_s_{frames}"] = round(time.perf_counter() - t0, 1)
+                    run[f"compile_s_{frames}"] = round(backend.compile_shape("generator", frames), 1)
                     for batch in batches:
                         shape = f"{frames}x{batch}"
                         run[shape] = profile_shape(backend, frames, batch, args.runs, cuda,
