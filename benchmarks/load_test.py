@@ -19,7 +19,6 @@ the step batcher wait ``--served-wait-ms``).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime as dt
 import gc
@@ -194,17 +193,6 @@ def _counted_since(before: dict[str, dict[str, list[float]]] | None, after: dict
     return {f"calls_batches_busy_s_{group}": {
         key: [round(v - w, 4) for v, w in zip(counts, before[group].get(key, [0, 0, 0.0]))]
         for key, counts in after[group].items()} for group in after}
-
-
-def _channels_last(vocoder, layouts: contextlib.ExitStack) -> None:
-    """``profile_compiled.py``'s channels-last variant on this vocoder's compiled engine, before its warmup compiles
-    (inductor's layout optimization forced, the generator's convolutions 2-D over channels-last weights)."""
-    from profile_compiled import channels_last_convolutions  # same folder
-
-    backend = getattr(vocoder, "backend", None)
-    if not hasattr(backend, "generator"):
-        raise SystemExit("--conv-layout channels-last needs the compiled engine (--engine compiled)")
-    layouts.enter_context(channels_last_convolutions(backend.generator))
 
 
 def run_k(vocoder, k: int, seconds: float, clients: str = "threads", collections: Any = None,
@@ -452,9 +440,8 @@ def main() -> None:
     p.add_argument("--loop-scheduler", dest="scheduler", action="store_const", const="loop",
                    help="the same as --scheduler loop")
     p.add_argument("--slots", type=int, default=None, help="device cache slots (CudaOptions.slots)")
-    p.add_argument("--conv-layout", choices=["default", "channels-last"], default="default",
-                   help="the compiled engine's convolutions in channels-last layout: an experiment, not in the engine "
-                        "(profile_compiled.py's variant of that name), applied before warmup")
+    p.add_argument("--conv-layout", choices=["channels-first", "channels-last"], default=None,
+                   help="the compiled engine's convolution layout (CudaOptions.conv_layout; default: the precision's)")
     p.add_argument("--max-streams", type=int, default=None,
                    help="open streams at most (in-process configs and hift-serve --max-streams): a ramp past it shows "
                         "new streams refused with the overload message while the open ones keep real time")
@@ -517,9 +504,8 @@ def main() -> None:
     # Each K runs under every (switch interval, queue_behind, scheduler) variant, one after the other, on the same
     # open vocoder.
     variants = [(ms, qb, d) for ms in intervals_ms for qb in queue_behinds for d in drivers]
-    if args.conv_layout != "default" and (args.engine != "compiled" or args.gpus or "served" in args.configs):
-        p.error("--conv-layout is for the compiled engine in process on one device")
-    layouts = contextlib.ExitStack()  # the experimental layout stays on while the runs call the engine
+    if args.conv_layout and (args.engine != "compiled" or "served" in args.configs):
+        p.error("--conv-layout is for the compiled engine in process (hift-serve runs the precision's layout)")
     for name in args.configs.split(","):
         t0 = time.perf_counter()
         if name == "served":
@@ -543,11 +529,11 @@ def main() -> None:
                        "per_stream_f0_cpu": (CudaOptions(f0_on_cuda=False), False)}[name]
             cuda = options[0] if args.slots is None else dataclasses.replace(options[0], slots=args.slots)
             engine = args.engine if name in ("batched", "per_stream") else "ort"
+            if engine == "compiled":
+                cuda = dataclasses.replace(cuda, conv_layout=args.conv_layout)
             precision = args.precision if engine == "compiled" else ("tf32" if cuda.use_tf32 else args.precision)
             vocoder = open_vocoder(args.artifacts, device=args.device, cuda=cuda, batching=options[1], engine=engine,
                                    precision=precision, devices=args.gpus)
-            if args.conv_layout == "channels-last":
-                _channels_last(vocoder, layouts)
             vocoder.warmup(progress=lambda msg: print(name, msg, flush=True))
         parity = None if name == "served" or name.startswith("modelled") else parity_vs_cpu(vocoder, args.artifacts)
         print(name, "largest difference from the CPU EP's offline pass:", parity, flush=True)
@@ -577,7 +563,7 @@ def main() -> None:
                                       "warm_stream_s": warm_stream_s, "parity_max_abs_vs_cpu": parity,
                                       "switch_interval_ms": ms, "queue_behind": qb,
                                       "loop_scheduler": driver == "loop",  # asyncio clients, in process
-                                      "conv_layout": args.conv_layout,
+                                      "conv_layout": getattr(getattr(vocoder, "backend", None), "conv_layout", None),
                                       "engine": (f"hift-serve --frontend {args.served_frontend} --engine {args.engine} --precision {args.precision}"
                                                  + (f" x {args.served_processes} processes" if args.served_processes > 1 else "")
                                                  if name == "served" else

@@ -25,8 +25,10 @@ from pathlib import Path
 from typing import Any
 
 
-def compile_one(artifacts: str, precision: str, slots: int, device: str, kind: str, size: int) -> float:
-    """Compile one step shape as the engine's warmup compiles it (``CompiledBackend.compile_shape``); seconds."""
+def compile_one(artifacts: str, precision: str, slots: int, device: str, kind: str, size: int,
+                conv_layout: str | None = None) -> float:
+    """Compile one step shape as the engine's warmup compiles it (``CompiledBackend.compile_shape``); seconds.
+    ``conv_layout``: the engine's (None: the precision's)."""
     from hift_runtime.compiled import CompiledBackend
     from hift_runtime.manifest import read_manifest
     from hift_runtime.noise import NoiseTable
@@ -35,7 +37,7 @@ def compile_one(artifacts: str, precision: str, slots: int, device: str, kind: s
     manifest = read_manifest(artifacts)
     constants = StreamConstants.from_manifest(manifest.config, manifest.step)
     backend = CompiledBackend(manifest, constants, device=device, precision=precision, slots=slots,
-                              compile=True)
+                              compile=True, conv_layout=conv_layout)
     # The noise table is read by the eager source only (outside the compiled part): a short one serves.
     backend.use_noise_table(NoiseTable.seeded(0, 4 * 24 * constants.samples_per_frame, constants.num_sines))
     return backend.compile_shape(kind, size)
@@ -60,19 +62,23 @@ def main() -> None:
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (inductor's C++ backend: to try it)")
     p.add_argument("--workers", type=int, default=5, help="compiles side by side (default: all five)")
     p.add_argument("--shapes", help="only these, e.g. generator:24,final:4 (default: the engine's five)")
+    p.add_argument("--conv-layout", choices=["channels-first", "channels-last"], default=None,
+                   help="the engine's convolution layout (default: the precision's; as the engine's must be)")
     p.add_argument("--out", help="a JSON of the wall times")
     p.add_argument("--one", help=argparse.SUPPRESS)  # KIND:SIZE: this process compiles that shape only
     args = p.parse_args()
     if args.one:
         kind, size = args.one.split(":")
         print(json.dumps({"shape": args.one, "seconds": round(compile_one(
-            args.artifacts, args.precision, args.slots, args.device, kind, int(size)), 1)}), flush=True)
+            args.artifacts, args.precision, args.slots, args.device, kind, int(size), args.conv_layout), 1)}),
+              flush=True)
         return
 
     def run(shape: tuple[str, int]) -> dict[str, Any]:
         t0 = time.perf_counter()
         command = [sys.executable, __file__, "--artifacts", args.artifacts, "--precision", args.precision,
                    "--slots", str(args.slots), "--device", args.device, "--one", f"{shape[0]}:{shape[1]}"]
+        command += ["--conv-layout", args.conv_layout] if args.conv_layout else []
         done = subprocess.run(command, capture_output=True, text=True, env=os.environ.copy())
         if done.returncode != 0:
             raise RuntimeError(f"compiling {shape} failed:\n{done.stderr[-3000:]}")

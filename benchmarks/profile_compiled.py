@@ -2,7 +2,8 @@
 per precision, step size and batch size, through ``torch.profiler``. Not a test: it reports figures.
 
     python benchmarks/profile_compiled.py --artifacts DIR --out R.json [--precisions tf32,fp16,fp32]
-        [--batches 2,256] [--frames 24,8,4,1] [--variants default,max-autotune,channels-last] [--budget-s 500]
+        [--batches 2,256] [--frames 24,8,4,1] [--variants default,max-autotune,channels-first,channels-last]
+        [--budget-s 500]
 
 Each (precision, variant, step size) compiles the step once (batch dynamic, as the engine does), then calls it
 ``--runs`` times per batch size as ordinary launches (a CUDA-graph replay runs the same kernels without the launch
@@ -12,24 +13,22 @@ copies, gathers and elementwise ops); every kernel is listed. Per stream-step an
 stream-frame = a step's kernel time / batch (/ frames): what bounds capacity once the host path is out of the way (at
 100 % device one GPU carries 20 ms / per-stream-frame ms real-time streams, before the F0 and final steps).
 
-Variants: ``default`` (the engine as it ships), ``max-autotune`` (inductor's ``max_autotune``: Triton templates for
-the convolutions and matmuls benchmarked against cuDNN at compile time), ``channels-last`` (an experiment, not in the
-engine: every generator convolution run as a 2-D one over ``[B, C, 1, T]`` with its weight stored once in
-channels-last layout and inductor's layout optimization forced, so cuDNN's tensor-core kernels get NHWC operands
-without a transpose before and after each; on the H200 those transposes were 26 % of the tf32 step at B = 256 and 31 %
-of the fp16 one). Each variant's audio is compared with the default's on the same inputs (``vs_default``). The JSON
-is rewritten after each (precision, variant), so a run cut short keeps what it measured.
+Variants: ``default`` (the engine as it ships: the precision's convolution layout), ``max-autotune`` (inductor's
+``max_autotune``: Triton templates for the convolutions and matmuls benchmarked against cuDNN at compile time),
+``channels-first`` and ``channels-last`` (the engine's ``conv_layout``: the generator's convolutions as 1-D ones, or
+as 2-D ones over ``[B, C, 1, T]`` with weights stored channels-last and inductor's layout optimization forced, so
+cuDNN's tensor-core kernels get NHWC operands without a transpose before and after each). Each variant's audio is
+compared with the first variant's on the same inputs (``vs_default``). The JSON is rewritten after each (precision,
+variant), so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as dt
 import json
 import statistics
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -99,45 +98,6 @@ def profile_calls(fn: Any, args: list[Any], runs: int, cuda: bool = True) -> dic
                         for name, (ms, count) in ranked]}
 
 
-@contextlib.contextmanager
-def channels_last_convolutions(generator: Any) -> Iterator[None]:
-    """The ``channels-last`` variant (see the module docstring): ``generator``'s Conv1d weights become ``[O, I, 1, K]``
-    channels-last tensors (once, here) and ``F.conv1d`` given such a weight runs ``conv2d`` on ``x.unsqueeze(2)``;
-    any other call (the STFT's fixed kernel, the F0 step) is unchanged; inductor's layout optimization is forced for
-    what compiles meanwhile. ``F.conv1d`` and inductor's setting are restored on exit."""
-    import torch
-    import torch._inductor.config as inductor_config
-    import torch.nn.functional as F
-
-    for module in generator.modules():
-        if isinstance(module, torch.nn.Conv1d) and module.weight.dim() == 3:
-            weight = module.weight.detach().unsqueeze(2).contiguous(memory_format=torch.channels_last)
-            module.weight = torch.nn.Parameter(weight, requires_grad=False)
-    original = F.conv1d
-
-    def first(value: Any) -> int:
-        return int(value[0]) if isinstance(value, (tuple, list)) else int(value)
-
-    def conv1d(x: Any, weight: Any, bias: Any = None, stride: Any = 1, padding: Any = 0, dilation: Any = 1,
-               groups: int = 1) -> Any:
-        if weight.dim() != 4:
-            return original(x, weight, bias, stride, padding, dilation, groups)
-        if isinstance(padding, str):
-            if padding != "valid":
-                raise ValueError(f"channels-last variant: padding={padding!r} is not handled")
-            padding = 0
-        y = F.conv2d(x.unsqueeze(2), weight, bias, stride=(1, first(stride)), padding=(0, first(padding)),
-                     dilation=(1, first(dilation)), groups=groups)
-        return y.squeeze(2)
-
-    F.conv1d = conv1d
-    try:
-        with inductor_config.patch(force_layout_optimization=True):
-            yield
-    finally:
-        F.conv1d = original
-
-
 def profile_shape(backend: Any, frames: int, batch: int, runs: int, cuda: bool, reference: list[Any]
                   ) -> dict[str, Any]:
     """The generator and F0 steps of ``frames`` x ``batch`` profiled; the audio compared with ``reference[0]`` (the
@@ -181,7 +141,7 @@ def main() -> None:
     import torch
     import torch._inductor.config as inductor_config
 
-    from hift_runtime.compiled import CompiledBackend
+    from hift_runtime.compiled import CONV_LAYOUTS, CompiledBackend
     from hift_runtime.manifest import read_manifest
     from hift_runtime.noise import NoiseTable
     from hift_runtime.streaming import StreamConstants
@@ -207,14 +167,13 @@ def main() -> None:
                 result["runs"][f"{precision}/{variant}"] = {"skipped": "over --budget-s"}
                 continue
             inductor_config.max_autotune = variant == "max-autotune"
+            layout = variant if variant in CONV_LAYOUTS else None
             backend = CompiledBackend(manifest, constants, device=args.device, precision=precision,
                                       step_sizes=tuple(frame_sizes), batch_sizes=tuple(batches),
-                                      slots=max(batches) + 8)
+                                      slots=max(batches) + 8, conv_layout=layout)
             backend.use_noise_table(noise)
-            run: dict[str, Any] = {}
-            layout = channels_last_convolutions(backend.generator) if variant == "channels-last" \
-                else contextlib.nullcontext()
-            with layout, backend._precision():
+            run: dict[str, Any] = {"conv_layout": backend.conv_layout}
+            with backend._precision():
                 for frames in frame_sizes:
                     run[f"compile_s_{frames}"] = round(backend.compile_shape("generator", frames), 1)
                     for batch in batches:

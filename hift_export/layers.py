@@ -36,7 +36,43 @@ def nearest_upsample(x: torch.Tensor, factor: int) -> torch.Tensor:
     return x.unsqueeze(-1).expand(batch, channels, steps, factor).reshape(batch, channels, steps * factor)
 
 
-class CausalConv1d(nn.Conv1d):
+class Conv1d(nn.Conv1d):
+    """``nn.Conv1d`` (no padding of its own: the subclasses pad explicitly) whose weight may be stored 2-D
+    channels-last by :func:`store_channels_last`: ``[O, I, 1, K]`` in NHWC memory order. It then runs as a 2-D
+    convolution over ``[B, C, 1, T]``, so that under a compiler's layout optimization cuDNN's tensor-core kernels
+    (NHWC) get their layout directly instead of transposing every operand in and out (the compiled engine's fp16
+    form; same values, a different order of summation). :meth:`convolve` is the bare convolution."""
+
+    def convolve(self, x: torch.Tensor) -> torch.Tensor:
+        """The convolution of ``x`` ``[B, C, T]`` without the subclass's causal padding."""
+        return self._conv_forward(x, self.weight, self.bias)
+
+    def _conv_forward(self, input: torch.Tensor, weight: torch.Tensor,  # noqa: A002 (torch's signature)
+                      bias: torch.Tensor | None) -> torch.Tensor:
+        if weight.dim() != 4:
+            return super()._conv_forward(input, weight, bias)
+        y = F.conv2d(input.unsqueeze(2), weight, bias, stride=(1, self.stride[0]), padding=(0, self.padding[0]),
+                     dilation=(1, self.dilation[0]), groups=self.groups)
+        return y.squeeze(2)
+
+
+def store_channels_last(module: nn.Module) -> int:
+    """Every :class:`Conv1d` weight under ``module`` stored as ``[O, I, 1, K]`` in channels-last memory order (see
+    :class:`Conv1d`), in place; the number converted. Weight norms must be folded first (a parametrised weight is
+    recomputed at each call, in the 1-D layout)."""
+    count = 0
+    for name, conv in module.named_modules():
+        if not isinstance(conv, Conv1d) or conv.weight.dim() == 4:
+            continue
+        if nn.utils.parametrize.is_parametrized(conv) or hasattr(conv, "weight_g"):
+            raise ValueError(f"{name}: fold the weight norms before storing the weights channels-last")
+        weight = conv.weight.detach().unsqueeze(2).contiguous(memory_format=torch.channels_last)
+        conv.weight = nn.Parameter(weight, requires_grad=conv.weight.requires_grad)
+        count += 1
+    return count
+
+
+class CausalConv1d(Conv1d):
     """Stride-1 conv with causal left zero padding (``'left'``) or look-ahead (``'right'``).
 
     ``causal_padding = (k-1)*d`` for odd ``k`` and ``k-1`` for even ``k`` with ``d=1`` (upstream formula). A ``'right'``
@@ -59,7 +95,7 @@ class CausalConv1d(nn.Conv1d):
         return super().forward(x)
 
 
-class CausalConv1dDownSample(nn.Conv1d):
+class CausalConv1dDownSample(Conv1d):
     """Strided conv preceded by ``stride-1`` left zeros (upstream ``CausalConv1dDownSample``)."""
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int) -> None:
@@ -70,7 +106,7 @@ class CausalConv1dDownSample(nn.Conv1d):
         return super().forward(F.pad(x, (self.causal_padding, 0)))
 
 
-class CausalConv1dUpsample(nn.Conv1d):
+class CausalConv1dUpsample(Conv1d):
     """Nearest ``×stride`` upsampling, ``k-1`` left zeros, then a stride-1 conv. Not a ConvTranspose1d."""
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int) -> None:

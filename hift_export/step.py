@@ -40,7 +40,7 @@ from torch import nn
 from .config import HiFTConfig
 from .f0_predictor import CausalF0Predictor, matmul_conv
 from .generator import CausalHiFTGenerator
-from .layers import CausalConv1d, ResBlock, nearest_upsample
+from .layers import CausalConv1d, Conv1d, ResBlock, nearest_upsample
 
 # The step's alignment, beyond the config's look-aheads: a step over frames [a, a+c) reads the source of frame a+c
 # (its last STFT frame needs 8 samples of it), and its audio lags by one frame (the iSTFT's overlap).
@@ -116,11 +116,10 @@ def f0_cache_layout(config: HiFTConfig, dtype: str) -> list[dict[str, Any]]:
 
 
 # ---- the eager step ----------------------------------------------------------------------------------------------------
-def _cached_conv(conv: nn.Conv1d, x: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _cached_conv(conv: Conv1d, x: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A causal conv continued from its left context: ``conv(cat(cache, x))`` without padding, and the new cache."""
     full = torch.cat([cache, x], dim=-1)
-    y = F.conv1d(full, conv.weight, conv.bias, stride=conv.stride, dilation=conv.dilation)
-    return y, full[..., -cache.shape[-1]:]
+    return conv.convolve(full), full[..., -cache.shape[-1]:]
 
 
 def _resblock_step(block: ResBlock, x: torch.Tensor, prefix: str, caches: dict[str, torch.Tensor],
@@ -152,7 +151,7 @@ def _trunk(gen: CausalHiFTGenerator, mel: torch.Tensor, s_stft: torch.Tensor, fi
         if downs[i] > 1:
             key = f"source_downs.{i}"
             full = torch.cat([caches[key], s_stft], dim=-1)
-            si = F.conv1d(full, down.weight, down.bias, stride=down.stride)
+            si = down.convolve(full)
             new[key] = full[..., -caches[key].shape[-1] - 1: -1]
         else:
             si = down(s_stft if final else s_stft[..., :-1])

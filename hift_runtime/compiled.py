@@ -18,6 +18,9 @@ fused into Triton kernels, cuDNN convolutions), behind the same bookkeeping and 
 * **Precision** (:data:`PRECISIONS`): ``fp32`` (TF32 off: parity, the default), ``tf32`` (TF32 convolutions and
   matmuls), ``fp16`` (the convolution trunk in half precision; source, STFT, phase and iSTFT head in float32). The F0
   step always runs in the export's F0 precision (float64 by default).
+* **Convolution layout** (:data:`DEFAULT_CONV_LAYOUT`): fp16 stores the generator's convolution weights channels-last
+  and runs them as 2-D convolutions, so cuDNN's NHWC tensor-core kernels need no transposes around them (21-29 %
+  off the fp16 step on the H200); fp32 and tf32 stay channels-first, where channels-last gained nothing or lost.
 
 On the CPU (no compile, or ``compile=True`` for inductor's C++ backend) the same code runs eagerly: that is how CI
 checks the engine's pool, noise gather and bookkeeping against the ONNX Runtime engine.
@@ -58,6 +61,14 @@ STEP_SIZES = (24, 8, 4, 1)
 F0_STEP_SIZES = tuple(range(24, 0, -1))
 # Dynamo keeps this many compiles of one function before it falls back to eager without a word; ours are counted.
 RECOMPILE_LIMIT = 64
+CONV_LAYOUTS = ("channels-first", "channels-last")
+# The generator's convolution layout per precision, as measured on the H200 (benchmarks/profile_compiled.py,
+# BENCHMARKS.md). channels-last: each Conv1d weight stored [O, I, 1, K] channels-last, the convolutions 2-D over
+# [B, C, 1, T], inductor's layout optimization forced. In fp16, cuDNN's tensor-core kernels are NHWC and transpose NCW
+# operands in and out (31 % of the step at B = 256): channels-last makes the step 21 % faster at B = 256, 29 % at
+# B = 2. In tf32 the transposes move into inductor's kernels (38.35 against 38.40 ms at B = 256), and fp32 runs NCHW
+# FFMA kernels (channels-last 18 % slower): both stay channels-first.
+DEFAULT_CONV_LAYOUT = {"fp32": "channels-first", "tf32": "channels-first", "fp16": "channels-last"}
 
 
 def load_folded(manifest: Manifest, device: torch.device) -> tuple[Any, Any]:
@@ -181,6 +192,8 @@ class CompiledBackend:
 
     ``device``: ``"cuda"``, ``"cuda:N"`` or ``"cpu"``. ``compile``: compile with ``torch.compile`` (default: on CUDA);
     ``cuda_graphs``: capture at :meth:`warmup` (CUDA only). ``slots``: device cache rows (one per open stream).
+    ``conv_layout``: ``"channels-first"`` or ``"channels-last"`` (:data:`CONV_LAYOUTS`); None: the precision's
+    measured best (:data:`DEFAULT_CONV_LAYOUT`).
     """
 
     caches_in_place = True
@@ -190,16 +203,20 @@ class CompiledBackend:
     def __init__(self, manifest: Manifest, constants: StreamConstants, device: str = "cuda",
                  precision: str = DEFAULT_PRECISION, compile: bool | None = None, cuda_graphs: bool = True,
                  step_sizes: tuple[int, ...] | None = STEP_SIZES, batch_sizes: tuple[int, ...] = BATCH_SIZES,
-                 slots: int = 2048) -> None:
+                 slots: int = 2048, conv_layout: str | None = None) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        conv_layout = DEFAULT_CONV_LAYOUT[precision] if conv_layout is None else conv_layout
+        if conv_layout not in CONV_LAYOUTS:
+            raise ValueError(f"conv_layout must be one of {CONV_LAYOUTS} (or None: the precision's best), "
+                             f"got {conv_layout!r}")
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ArtifactError("the compiled engine was asked for CUDA, but torch sees no CUDA device (a CPU build "
                                 "of torch, or no GPU); use engine='ort' or device='cpu'")
         if precision != "fp32" and self.device.type != "cuda":
             raise ValueError(f"precision {precision!r} is for CUDA devices; the CPU runs fp32")
-        self.manifest, self.constants, self.precision = manifest, constants, precision
+        self.manifest, self.constants, self.precision, self.conv_layout = manifest, constants, precision, conv_layout
         self.on_cuda = self.device.type == "cuda"
         self.compiled = self.on_cuda if compile is None else compile
         self.cuda_graphs = cuda_graphs and self.on_cuda
@@ -208,6 +225,10 @@ class CompiledBackend:
         self.batch_sizes = tuple(sorted(set(batch_sizes))) if self.on_cuda else (1,)
         self.name = f"compiled[{self.device.type}:{precision}]" if self.compiled else f"torch[{self.device.type}]"
         self.generator, self.predictor = load_folded(manifest, self.device)
+        if conv_layout == "channels-last":
+            from hift_export.layers import store_channels_last
+
+            store_channels_last(self.generator)
         self._trunk_dtype = torch.float16 if precision == "fp16" else None
         self._generator_rows = _CacheRows(constants.generator_caches, slots + 1, torch.float32, self.device)
         self._f0_rows = _CacheRows(constants.f0_caches, slots + 1, next(self.predictor.parameters()).dtype,
@@ -229,8 +250,13 @@ class CompiledBackend:
             dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, RECOMPILE_LIMIT)
             # Not dynamic=False: it ignores mark_dynamic and compiles every batch size anew (on the H200 the warmup
             # then ran past 5 minutes). Warmup marks the batch dynamic and every other dimension static.
-            self._compiled["generator"] = functools.partial(self._with_source, torch.compile(self._rest))
-            self._compiled["final"] = functools.partial(self._with_source, torch.compile(self._final_rest))
+            # Channels-last as measured: inductor's layout optimization forced (it keeps the activations NHWC between
+            # the convolutions; left to its heuristics, it decides per graph).
+            options = {"force_layout_optimization": conv_layout == "channels-last"}
+            self._compiled["generator"] = functools.partial(self._with_source, torch.compile(self._rest,
+                                                                                             options=options))
+            self._compiled["final"] = functools.partial(self._with_source, torch.compile(self._final_rest,
+                                                                                         options=options))
         self.compiles_at_warmup: int | None = None
         self.warmup_seconds: dict[str, float] = {}  # "kind:frames x batch" -> seconds of its compile and capture
 

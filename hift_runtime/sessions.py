@@ -60,6 +60,9 @@ class CudaOptions:
     # Device cache slots: one per open stream (0.58 MB each at full size), allocated at open. Raised to fit
     # open_vocoder(max_streams=...); a stream beyond them is refused with OverloadError.
     slots: int = 2048
+    # The compiled engine's convolution layout ("channels-first" or "channels-last"); None: the precision's measured
+    # best (channels-last in fp16, channels-first in fp32 and tf32: hift_runtime.compiled.DEFAULT_CONV_LAYOUT).
+    conv_layout: str | None = None
 
     def provider_options(self) -> dict[str, str]:
         return {"device_id": str(self.device_id), "use_tf32": "1" if self.use_tf32 else "0",
@@ -630,6 +633,9 @@ def open_vocoder(artifacts: str | os.PathLike[str], *, device: Device = "auto",
                              "or tf32")
         if precision == "tf32":
             cuda = dataclasses.replace(cuda, use_tf32=True)
+        if cuda.conv_layout is not None:
+            raise ValueError("CudaOptions.conv_layout is the compiled engine's (engine='compiled'); ONNX Runtime "
+                             "chooses its own layouts")
         backend = OrtBackend(manifest, constants, device=device, cuda=cuda, intra_op_threads=intra_op_threads)
         on_gpu = backend.generator_provider == CUDA
     if batching is None:
@@ -677,4 +683,4 @@ def _compiled_backend(manifest: Manifest, constants: StreamConstants, device: st
         target = "cpu"
     batches = tuple(b for b in COMPILED_BATCH_SIZES if b <= max(max_batch, COMPILED_BATCH_SIZES[0]))
     return CompiledBackend(manifest, constants, device=target, precision=precision, batch_sizes=batches,
-                           slots=cuda.slots)
+                           slots=cuda.slots, conv_layout=cuda.conv_layout)

@@ -147,6 +147,49 @@ def test_engine_selection(small_artifacts):
         open_vocoder(small_artifacts.out, device="cpu", engine="compiled", precision="fp16")
 
 
+def test_channels_last_convolutions_stream_as_channels_first(small_artifacts, ort_cpu):
+    """fp16's layout on the GPU (every generator Conv1d weight [O, I, 1, K] channels-last, run as 2-D convolutions),
+    run here in fp32: the same streams within the engines' tolerance (another order of summation; measured 1.3e-7
+    apart on the reduced model); the F0 predictor keeps its 1-D weights."""
+    import torch
+
+    from hift_export.layers import Conv1d
+    from hift_runtime import CudaOptions
+
+    vocoder = open_vocoder(small_artifacts.out, device="cpu", engine="compiled",
+                           cuda=CudaOptions(conv_layout="channels-last"))
+    backend = vocoder.backend
+    assert backend.conv_layout == "channels-last"
+    convs = [m for m in backend.generator.modules() if isinstance(m, Conv1d)]
+    assert convs and all(m.weight.dim() == 4 and m.weight.is_contiguous(memory_format=torch.channels_last)
+                         for m in convs)
+    assert all(m.weight.dim() == 3 for m in backend.predictor.modules() if isinstance(m, Conv1d))
+    rng = np.random.default_rng(8)
+    for i in range(2):
+        mel = random_mel(int(rng.integers(30, 140)), seed=60 + i)
+        schedule = [int(x) for x in rng.integers(1, 50, 5)]
+        assert max_abs(streamed(vocoder, mel, schedule), streamed(ort_cpu, mel, schedule)) <= TOLERANCE
+    assert max_abs(vocoder.vocode(mel), ort_cpu.vocode(mel)) <= TOLERANCE
+
+
+def test_conv_layout_is_checked(small_artifacts):
+    from hift_export.config import HiFTConfig
+    from hift_export.layers import store_channels_last
+    from hift_export.model import build_unfolded
+    from hift_runtime import CudaOptions
+    from hift_runtime.compiled import DEFAULT_CONV_LAYOUT
+
+    assert open_vocoder(small_artifacts.out, device="cpu", engine="compiled").backend.conv_layout == \
+        DEFAULT_CONV_LAYOUT["fp32"] == "channels-first"
+    with pytest.raises(ValueError, match="conv_layout must be one of"):
+        open_vocoder(small_artifacts.out, device="cpu", engine="compiled", cuda=CudaOptions(conv_layout="nhwc"))
+    with pytest.raises(ValueError, match="conv_layout is the compiled engine's"):
+        open_vocoder(small_artifacts.out, device="cpu", engine="ort", cuda=CudaOptions(conv_layout="channels-last"))
+    generator, _ = build_unfolded(HiFTConfig().reduced(), spectral="conv")  # weight norms not folded
+    with pytest.raises(ValueError, match="fold the weight norms"):
+        store_channels_last(generator)
+
+
 def test_an_export_without_folded_weights_is_refused_by_the_compiled_engine(small_artifacts, tmp_path):
     import json
     import shutil
