@@ -193,7 +193,9 @@ class CompiledBackend:
     ``device``: ``"cuda"``, ``"cuda:N"`` or ``"cpu"``. ``compile``: compile with ``torch.compile`` (default: on CUDA);
     ``cuda_graphs``: capture at :meth:`warmup` (CUDA only). ``slots``: device cache rows (one per open stream).
     ``conv_layout``: ``"channels-first"`` or ``"channels-last"`` (:data:`CONV_LAYOUTS`); None: the precision's
-    measured best (:data:`DEFAULT_CONV_LAYOUT`).
+    measured best (:data:`DEFAULT_CONV_LAYOUT`). ``compile_processes``: a first :meth:`warmup` (no marker of a warm
+    cache, :mod:`~hift_runtime.compile_workers`) compiles its step graphs in this many processes side by side (1: in
+    turn, in this process).
     """
 
     caches_in_place = True
@@ -203,7 +205,7 @@ class CompiledBackend:
     def __init__(self, manifest: Manifest, constants: StreamConstants, device: str = "cuda",
                  precision: str = DEFAULT_PRECISION, compile: bool | None = None, cuda_graphs: bool = True,
                  step_sizes: tuple[int, ...] | None = STEP_SIZES, batch_sizes: tuple[int, ...] = BATCH_SIZES,
-                 slots: int = 2048, conv_layout: str | None = None) -> None:
+                 slots: int = 2048, conv_layout: str | None = None, compile_processes: int = 5) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         conv_layout = DEFAULT_CONV_LAYOUT[precision] if conv_layout is None else conv_layout
@@ -217,6 +219,7 @@ class CompiledBackend:
         if precision != "fp32" and self.device.type != "cuda":
             raise ValueError(f"precision {precision!r} is for CUDA devices; the CPU runs fp32")
         self.manifest, self.constants, self.precision, self.conv_layout = manifest, constants, precision, conv_layout
+        self.cache_slots, self.compile_processes = slots, compile_processes
         self.on_cuda = self.device.type == "cuda"
         self.compiled = self.on_cuda if compile is None else compile
         self.cuda_graphs = cuda_graphs and self.on_cuda
@@ -408,6 +411,11 @@ class CompiledBackend:
         say = progress or (lambda msg: log.info("hift_runtime: %s", msg))
         started = time.perf_counter()
         c = self.constants
+        marker = None
+        if self.compiled and self.compile_processes > 1:
+            from .compile_workers import precompile
+
+            marker = precompile(self, step_sizes, say)
         f0_sizes = self.f0_step_sizes or step_sizes
         shapes = [("generator", size, batch) for batch in self.batch_sizes for size in step_sizes]
         shapes += [("final", c.mel_look_ahead, batch) for batch in self.batch_sizes]
@@ -430,6 +438,12 @@ class CompiledBackend:
                         f"({time.perf_counter() - started:.0f} s)")
             torch.cuda.synchronize(self.device)
         self.compiles_at_warmup = compile_count()
+        if marker is not None:
+            try:
+                marker.parent.mkdir(parents=True, exist_ok=True)
+                marker.touch()
+            except OSError as exc:  # a read-only cache: every start compiles side by side again
+                say(f"warmup: cannot mark inductor's cache as warm ({exc})")
         say(warmup_summary(self.warmup_seconds))
 
     def compile_shape(self, kind: str, size: int) -> float:

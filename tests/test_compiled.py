@@ -277,3 +277,59 @@ def test_shared_host_buffers_give_each_graph_its_rows_then_zeros():
             assert np.array_equal(host[:rows], value.astype(host.dtype))  # float64 values cast as torch's copy_ did
             assert not host[rows:batch].any()
         assert all(not host[mirrors.dirty:].any() for host in mirrors.host_in)
+
+
+def test_side_by_side_compiles_report_each_worker_and_survive_a_failed_one():
+    """A first warmup's workers: each one's seconds, None for one that failed (said with its error's end: the warmup
+    then compiles that shape itself)."""
+    import sys
+
+    from hift_runtime.compile_workers import compile_side_by_side
+
+    said: list[str] = []
+    seconds = compile_side_by_side({"generator:24": [sys.executable, "-c", "pass"],
+                                    "final:4": [sys.executable, "-c", "import sys; sys.exit('out of memory')"]},
+                                   2, said.append)
+    assert seconds["generator:24"] is not None and seconds["generator:24"] > 0 and seconds["final:4"] is None
+    assert any("final:4" in m and "out of memory" in m and "the warmup compiles it" in m for m in said)
+
+
+def test_a_first_warmup_compiles_side_by_side_once(small_artifacts, tmp_path, monkeypatch):
+    """The workers a first warmup runs, end to end on the CPU (where the engine runs the step eagerly): each builds
+    the engine and compiles its shape; then the marker says the cache is warm and a second start runs none."""
+    import torch
+    from types import SimpleNamespace
+
+    from hift_runtime.compile_workers import precompile
+    from hift_runtime.manifest import read_manifest
+    from hift_runtime.streaming import StreamConstants
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    manifest = read_manifest(small_artifacts.out)
+    engine = SimpleNamespace(manifest=manifest, constants=StreamConstants.from_manifest(manifest.config, manifest.step),
+                             precision="fp32", cache_slots=8, device=torch.device("cpu"), conv_layout="channels-last",
+                             compile_processes=2)
+    said: list[str] = []
+    marker = precompile(engine, (8,), said.append)
+    assert marker.exists() and any("first start" in m for m in said), said
+    assert sum("compiled in a process of its own" in m for m in said) == 2, said  # generator:8 and final:4
+    said.clear()
+    assert precompile(engine, (8,), said.append) == marker and said == []
+
+
+def test_the_warm_marker_names_what_the_graphs_depend_on(small_artifacts, tmp_path, monkeypatch):
+    import torch
+    from types import SimpleNamespace
+
+    from hift_runtime.compile_workers import warm_marker
+    from hift_runtime.manifest import read_manifest
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    base = dict(manifest=read_manifest(small_artifacts.out), precision="fp16", cache_slots=2048,
+                device=torch.device("cpu"), conv_layout="channels-last")
+    marker = warm_marker(SimpleNamespace(**base), (24, 8, 4, 1))
+    assert marker.parent == tmp_path / "hift" and marker == warm_marker(SimpleNamespace(**base), (24, 8, 4, 1))
+    others = [warm_marker(SimpleNamespace(**{**base, key: value}), (24, 8, 4, 1))
+              for key, value in (("precision", "tf32"), ("conv_layout", "channels-first"), ("cache_slots", 3100))]
+    others.append(warm_marker(SimpleNamespace(**base), (24, 8)))
+    assert len({marker, *others}) == 5

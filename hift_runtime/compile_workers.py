@@ -1,0 +1,157 @@
+"""The compiled engine's first start: its step graphs compiled in processes side by side, into inductor's on-disk
+cache, before :meth:`~hift_runtime.compiled.CompiledBackend.warmup` loads them from it.
+
+Compiled in turn, the five step graphs (the stream step at 24, 8, 4 and 1 frames, the final step) took 265-345 s of a
+351-425 s cold start on an H200; side by side in five processes they took 128 s, and the warmup then loaded them from
+the cache in 36-38 s (BENCHMARKS.md, "fp16 channels-last"). A compile's cache entry is keyed by its graph and its
+inputs' shapes, so a worker builds the same backend as the engine (precision, layout, device cache slots) and
+compiles its shape as warmup would (:meth:`~hift_runtime.compiled.CompiledBackend.compile_shape`).
+
+Once a warmup has finished, a marker in inductor's cache folder (:func:`warm_marker`) says the cache holds this
+engine's graphs: later starts skip the workers (they would only load the cache a second time). Side by side is an
+optimisation only: a worker that fails is reported and its shape compiled by the warmup itself.
+
+One worker (what the engine runs; not a user command)::
+
+    python -m hift_runtime.compile_workers --artifacts DIR --precision fp16 --slots 2048 --device cuda:0 \\
+        --conv-layout channels-last --shape generator:24
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+# Source files whose code shapes the compiled graphs: a change in them makes the marker stale (inductor's own keys
+# change with the graphs; the marker must not claim a warm cache that no longer matches).
+_GRAPH_SOURCES = ("hift_export/step.py", "hift_export/layers.py", "hift_export/generator.py",
+                  "hift_export/spectral_ops.py", "hift_runtime/compiled.py")
+
+
+def worker_command(backend: Any, kind: str, size: int) -> list[str]:
+    """The command that compiles ``backend``'s step ``kind`` of ``size`` frames into the cache, in a new process."""
+    return [sys.executable, "-m", "hift_runtime.compile_workers", "--artifacts", str(backend.manifest.root),
+            "--precision", backend.precision, "--slots", str(backend.cache_slots), "--device", str(backend.device),
+            "--conv-layout", backend.conv_layout, "--shape", f"{kind}:{size}"]
+
+
+def compile_side_by_side(commands: dict[str, list[str]], processes: int, say: Callable[[str], None],
+                         timeout_s: float = 1800.0) -> dict[str, float | None]:
+    """Run each command (a worker) in a process of its own, at most ``processes`` at a time; the seconds each took,
+    None for one that failed (said with the end of its error output: the warmup then compiles that shape itself)."""
+    started = time.perf_counter()
+
+    def run(name: str) -> float | None:
+        t0 = time.perf_counter()
+        try:
+            done = subprocess.run(commands[name], capture_output=True, text=True, timeout=timeout_s,
+                                  env=os.environ.copy())
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            say(f"warmup: compiling {name} in a process of its own failed ({exc}); the warmup compiles it")
+            return None
+        if done.returncode != 0:
+            tail = " | ".join(done.stderr.strip().splitlines()[-3:])[-600:]
+            say(f"warmup: compiling {name} in a process of its own failed (exit {done.returncode}: {tail}); "
+                f"the warmup compiles it")
+            return None
+        seconds = time.perf_counter() - t0
+        say(f"warmup: {name} compiled in a process of its own ({seconds:.0f} s; "
+            f"{time.perf_counter() - started:.0f} s since the first)")
+        return seconds
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, processes)) as pool:
+        return dict(zip(commands, pool.map(run, commands)))
+
+
+def precompile(backend: Any, step_sizes: tuple[int, ...], say: Callable[[str], None]) -> Path:
+    """Unless the marker says the cache is warm: ``backend``'s step graphs (the stream step at ``step_sizes``, the
+    final step) compiled side by side in ``backend.compile_processes`` workers, the marker written when all of them
+    succeeded. Under a lock in the cache folder: of several processes starting at once (``hift-serve --processes``),
+    one compiles, the others wait and then find the marker. The marker's path (the warmup writes it too, at its end)."""
+    import fcntl
+
+    marker = warm_marker(backend, step_sizes)
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(marker.parent / "compile.lock", "a")  # noqa: SIM115 - held across the compiles
+    except OSError as exc:
+        say(f"warmup: inductor's cache folder is not writable ({exc}): compiling in turn")
+        return marker
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if marker.exists():
+            return marker
+        units = [("generator", size) for size in step_sizes] + [("final", backend.constants.mel_look_ahead)]
+        say(f"warmup: a first start: compiling {len(units)} step graphs in {backend.compile_processes} processes "
+            f"side by side into inductor's cache (~2 min on an H200)")
+        seconds = compile_side_by_side({f"{kind}:{size}": worker_command(backend, kind, size) for kind, size in units},
+                                       backend.compile_processes, say)
+        if all(value is not None for value in seconds.values()):
+            marker.touch()
+    return marker
+
+
+def warm_marker(backend: Any, step_sizes: tuple[int, ...]) -> Path:
+    """The file whose presence says inductor's cache holds ``backend``'s compiled graphs (written after a warmup):
+    in inductor's cache folder (``TORCHINDUCTOR_CACHE_DIR``), named by a hash of what the graphs depend on (torch's
+    version, the device's architecture, the precision, layout, cache slots and step sizes, the model's config and step
+    contract, the code that builds the graphs)."""
+    import torch
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    root = Path(__file__).resolve().parent.parent
+    code = hashlib.sha256()
+    for name in _GRAPH_SOURCES:
+        path = root / name
+        code.update(path.read_bytes() if path.exists() else name.encode())
+    device = backend.device
+    arch = torch.cuda.get_device_capability(device) if device.type == "cuda" else "cpu"
+    what = {"torch": torch.__version__, "arch": str(arch), "precision": backend.precision,
+            "conv_layout": backend.conv_layout, "slots": backend.cache_slots, "step_sizes": list(step_sizes),
+            "config": backend.manifest.config, "step": backend.manifest.step, "code": code.hexdigest()}
+    key = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:24]
+    return Path(cache_dir()) / "hift" / f"compiled-{key}.warm"
+
+
+def compile_one(artifacts: str, precision: str, slots: int, device: str, conv_layout: str, kind: str,
+                size: int) -> float:
+    """Build the engine's backend as the parent process has it and compile one step shape; seconds."""
+    from .compiled import CompiledBackend
+    from .manifest import read_manifest
+    from .noise import NoiseTable
+    from .streaming import StreamConstants
+
+    manifest = read_manifest(artifacts)
+    constants = StreamConstants.from_manifest(manifest.config, manifest.step)
+    backend = CompiledBackend(manifest, constants, device=device, precision=precision, slots=slots,
+                              conv_layout=conv_layout)
+    # The noise table is read by the eager source only (outside the compiled part): a short one serves.
+    backend.use_noise_table(NoiseTable.seeded(0, 4 * 24 * constants.samples_per_frame, constants.num_sines))
+    return backend.compile_shape(kind, size)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--artifacts", required=True)
+    p.add_argument("--precision", required=True)
+    p.add_argument("--slots", type=int, required=True)
+    p.add_argument("--device", required=True)
+    p.add_argument("--conv-layout", required=True)
+    p.add_argument("--shape", required=True, help="KIND:FRAMES, e.g. generator:24 or final:4")
+    args = p.parse_args(argv)
+    kind, size = args.shape.split(":")
+    seconds = compile_one(args.artifacts, args.precision, args.slots, args.device, args.conv_layout, kind, int(size))
+    print(json.dumps({"shape": args.shape, "seconds": round(seconds, 1)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
