@@ -255,7 +255,7 @@ class CompiledBackend:
             # then ran past 5 minutes). Warmup marks the batch dynamic and every other dimension static.
             # Channels-last as measured: inductor's layout optimization forced (it keeps the activations NHWC between
             # the convolutions; left to its heuristics, it decides per graph).
-            options = {"force_layout_optimization": conv_layout == "channels-last"}
+            options = {"force_layout_optimization": True} if conv_layout == "channels-last" else None
             self._compiled["generator"] = functools.partial(self._with_source, torch.compile(self._rest,
                                                                                              options=options))
             self._compiled["final"] = functools.partial(self._with_source, torch.compile(self._final_rest,
