@@ -442,6 +442,8 @@ def main() -> None:
     p.add_argument("--slots", type=int, default=None, help="device cache slots (CudaOptions.slots)")
     p.add_argument("--conv-layout", choices=["channels-first", "channels-last"], default=None,
                    help="the compiled engine's convolution layout (CudaOptions.conv_layout; default: the precision's)")
+    p.add_argument("--cache-layout", choices=["channels-first", "channels-last"], default=None,
+                   help="the compiled engine's cache rows (CudaOptions.cache_layout; default: channels-first)")
     p.add_argument("--max-streams", type=int, default=None,
                    help="open streams at most (in-process configs and hift-serve --max-streams): a ramp past it shows "
                         "new streams refused with the overload message while the open ones keep real time")
@@ -504,8 +506,9 @@ def main() -> None:
     # Each K runs under every (switch interval, queue_behind, scheduler) variant, one after the other, on the same
     # open vocoder.
     variants = [(ms, qb, d) for ms in intervals_ms for qb in queue_behinds for d in drivers]
-    if args.conv_layout and (args.engine != "compiled" or "served" in args.configs):
-        p.error("--conv-layout is for the compiled engine in process (hift-serve runs the precision's layout)")
+    if (args.conv_layout or args.cache_layout) and (args.engine != "compiled" or "served" in args.configs):
+        p.error("--conv-layout and --cache-layout are for the compiled engine in process (hift-serve runs the "
+                "precision's layouts)")
     for name in args.configs.split(","):
         t0 = time.perf_counter()
         if name == "served":
@@ -530,7 +533,8 @@ def main() -> None:
             cuda = options[0] if args.slots is None else dataclasses.replace(options[0], slots=args.slots)
             engine = args.engine if name in ("batched", "per_stream") else "ort"
             if engine == "compiled":
-                cuda = dataclasses.replace(cuda, conv_layout=args.conv_layout)
+                cuda = dataclasses.replace(cuda, conv_layout=args.conv_layout,
+                                           cache_layout=args.cache_layout or "channels-first")
             precision = args.precision if engine == "compiled" else ("tf32" if cuda.use_tf32 else args.precision)
             vocoder = open_vocoder(args.artifacts, device=args.device, cuda=cuda, batching=options[1], engine=engine,
                                    precision=precision, devices=args.gpus)
@@ -564,6 +568,8 @@ def main() -> None:
                                       "switch_interval_ms": ms, "queue_behind": qb,
                                       "loop_scheduler": driver == "loop",  # asyncio clients, in process
                                       "conv_layout": getattr(getattr(vocoder, "backend", None), "conv_layout", None),
+                                      "cache_layout": getattr(getattr(vocoder, "backend", None), "cache_layout",
+                                                              None),
                                       "engine": (f"hift-serve --frontend {args.served_frontend} --engine {args.engine} --precision {args.precision}"
                                                  + (f" x {args.served_processes} processes" if args.served_processes > 1 else "")
                                                  if name == "served" else

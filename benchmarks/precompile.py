@@ -32,6 +32,8 @@ def main() -> None:
     p.add_argument("--shapes", help="only these, e.g. generator:24,final:4 (default: the engine's five)")
     p.add_argument("--conv-layout", choices=["channels-first", "channels-last"], default=None,
                    help="the engine's convolution layout (default: the precision's; as the engine's must be)")
+    p.add_argument("--cache-layout", choices=["channels-first", "channels-last"], default="channels-first",
+                   help="the engine's cache rows (CudaOptions.cache_layout)")
     p.add_argument("--out", help="a JSON of the wall times")
     args = p.parse_args()
 
@@ -46,7 +48,8 @@ def main() -> None:
              else [("generator", size) for size in STEP_SIZES] + [("final", constants.mel_look_ahead)])
     # What worker_command reads of a backend, without building one here (no device memory in this process).
     engine = SimpleNamespace(manifest=manifest, precision=args.precision, cache_slots=args.slots, device=args.device,
-                             conv_layout=args.conv_layout or DEFAULT_CONV_LAYOUT[args.precision])
+                             conv_layout=args.conv_layout or DEFAULT_CONV_LAYOUT[args.precision],
+                             cache_layout=args.cache_layout)
     started = time.perf_counter()
     seconds = compile_side_by_side({f"{k}:{n}": worker_command(engine, k, n) for k, n in units}, args.workers,
                                    lambda msg: print(msg, flush=True))

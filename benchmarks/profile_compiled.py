@@ -2,7 +2,8 @@
 per precision, step size and batch size, through ``torch.profiler``. Not a test: it reports figures.
 
     python benchmarks/profile_compiled.py --artifacts DIR --out R.json [--precisions tf32,fp16,fp32]
-        [--batches 2,256] [--frames 24,8,4,1] [--variants default,max-autotune,channels-first,channels-last]
+        [--batches 2,256] [--frames 24,8,4,1]
+        [--variants default,max-autotune,channels-first,channels-last,channels-last-caches]
         [--budget-s 500]
 
 Each (precision, variant, step size) compiles the step once (batch dynamic, as the engine does), then calls it
@@ -17,7 +18,9 @@ Variants: ``default`` (the engine as it ships: the precision's convolution layou
 ``max_autotune``: Triton templates for the convolutions and matmuls benchmarked against cuDNN at compile time),
 ``channels-first`` and ``channels-last`` (the engine's ``conv_layout``: the generator's convolutions as 1-D ones, or
 as 2-D ones over ``[B, C, 1, T]`` with weights stored channels-last and inductor's layout optimization forced, so
-cuDNN's tensor-core kernels get NHWC operands without a transpose before and after each). Each variant's audio is
+cuDNN's tensor-core kernels get NHWC operands without a transpose before and after each), ``channels-last-caches``
+(channels-last convolutions and the engine's ``cache_layout="channels-last"``: the cache rows time-major, so the
+concatenations of cache and input read both along the channels). Each variant's audio is
 compared with the first variant's on the same inputs (``vs_default``). The JSON is rewritten after each (precision,
 variant), so a run cut short keeps what it measured.
 """
@@ -167,12 +170,14 @@ def main() -> None:
                 result["runs"][f"{precision}/{variant}"] = {"skipped": "over --budget-s"}
                 continue
             inductor_config.max_autotune = variant == "max-autotune"
-            layout = variant if variant in CONV_LAYOUTS else None
+            caches = "channels-last" if variant == "channels-last-caches" else "channels-first"
+            layout = "channels-last" if variant == "channels-last-caches" else (
+                variant if variant in CONV_LAYOUTS else None)
             backend = CompiledBackend(manifest, constants, device=args.device, precision=precision,
                                       step_sizes=tuple(frame_sizes), batch_sizes=tuple(batches),
-                                      slots=max(batches) + 8, conv_layout=layout)
+                                      slots=max(batches) + 8, conv_layout=layout, cache_layout=caches)
             backend.use_noise_table(noise)
-            run: dict[str, Any] = {"conv_layout": backend.conv_layout}
+            run: dict[str, Any] = {"conv_layout": backend.conv_layout, "cache_layout": backend.cache_layout}
             with backend._precision():
                 for frames in frame_sizes:
                     run[f"compile_s_{frames}"] = round(backend.compile_shape("generator", frames), 1)

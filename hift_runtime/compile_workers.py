@@ -41,7 +41,8 @@ def worker_command(backend: Any, kind: str, size: int) -> list[str]:
     """The command that compiles ``backend``'s step ``kind`` of ``size`` frames into the cache, in a new process."""
     return [sys.executable, "-m", "hift_runtime.compile_workers", "--artifacts", str(backend.manifest.root),
             "--precision", backend.precision, "--slots", str(backend.cache_slots), "--device", str(backend.device),
-            "--conv-layout", backend.conv_layout, "--shape", f"{kind}:{size}"]
+            "--conv-layout", backend.conv_layout, "--cache-layout", getattr(backend, "cache_layout", "channels-first"),
+            "--shape", f"{kind}:{size}"]
 
 
 def compile_side_by_side(commands: dict[str, list[str]], processes: int, say: Callable[[str], None],
@@ -116,14 +117,15 @@ def warm_marker(backend: Any, step_sizes: tuple[int, ...]) -> Path:
     device = backend.device
     arch = torch.cuda.get_device_capability(device) if device.type == "cuda" else "cpu"
     what = {"torch": torch.__version__, "arch": str(arch), "precision": backend.precision,
-            "conv_layout": backend.conv_layout, "slots": backend.cache_slots, "step_sizes": list(step_sizes),
+            "conv_layout": backend.conv_layout, "cache_layout": getattr(backend, "cache_layout", "channels-first"),
+            "slots": backend.cache_slots, "step_sizes": list(step_sizes),
             "config": backend.manifest.config, "step": backend.manifest.step, "code": code.hexdigest()}
     key = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:24]
     return Path(cache_dir()) / "hift" / f"compiled-{key}.warm"
 
 
-def compile_one(artifacts: str, precision: str, slots: int, device: str, conv_layout: str, kind: str,
-                size: int) -> float:
+def compile_one(artifacts: str, precision: str, slots: int, device: str, conv_layout: str, cache_layout: str,
+                kind: str, size: int) -> float:
     """Build the engine's backend as the parent process has it and compile one step shape; seconds."""
     from .compiled import CompiledBackend
     from .manifest import read_manifest
@@ -133,7 +135,7 @@ def compile_one(artifacts: str, precision: str, slots: int, device: str, conv_la
     manifest = read_manifest(artifacts)
     constants = StreamConstants.from_manifest(manifest.config, manifest.step)
     backend = CompiledBackend(manifest, constants, device=device, precision=precision, slots=slots,
-                              conv_layout=conv_layout)
+                              conv_layout=conv_layout, cache_layout=cache_layout)
     # The noise table is read by the eager source only (outside the compiled part): a short one serves.
     backend.use_noise_table(NoiseTable.seeded(0, 4 * 24 * constants.samples_per_frame, constants.num_sines))
     return backend.compile_shape(kind, size)
@@ -146,10 +148,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--slots", type=int, required=True)
     p.add_argument("--device", required=True)
     p.add_argument("--conv-layout", required=True)
+    p.add_argument("--cache-layout", default="channels-first")
     p.add_argument("--shape", required=True, help="KIND:FRAMES, e.g. generator:24 or final:4")
     args = p.parse_args(argv)
     kind, size = args.shape.split(":")
-    seconds = compile_one(args.artifacts, args.precision, args.slots, args.device, args.conv_layout, kind, int(size))
+    seconds = compile_one(args.artifacts, args.precision, args.slots, args.device, args.conv_layout,
+                          args.cache_layout, kind, int(size))
     print(json.dumps({"shape": args.shape, "seconds": round(seconds, 1)}), flush=True)
 
 

@@ -165,26 +165,43 @@ class _Captured:
 
 class _CacheRows:
     """One kind of per-stream caches (the generator's or the F0 step's) on the device: a row of one tensor
-    ``[rows, R]`` per slot (row 0 scratch), read as named caches before a step and written back after it."""
+    ``[rows, R]`` per slot (row 0 scratch), read as named caches before a step and written back after it.
 
-    def __init__(self, specs: tuple[Any, ...], rows: int, dtype: torch.dtype, device: torch.device) -> None:
+    ``layout``: how each ``[C, T]`` cache lies in its row: ``"channels-first"`` (C-major, the manifest's order) or
+    ``"channels-last"`` (T-major: read, a cache is a ``[B, C, T]`` view with the channels innermost, as the
+    channels-last convolutions' activations are, so the step's concatenations of cache and input read both along the
+    channels instead of transposing the cache; on the H200 those concatenations, fused with Snake, took 18.1 ms of the
+    tf32 channels-last step at B = 256 against 8.9 channels-first)."""
+
+    def __init__(self, specs: tuple[Any, ...], rows: int, dtype: torch.dtype, device: torch.device,
+                 layout: str = "channels-first") -> None:
         self.names = [spec.name for spec in specs]
-        self.shapes = [spec.shape for spec in specs]
+        self.shapes = [tuple(spec.shape) for spec in specs]
+        if layout == "channels-last" and any(len(shape) != 2 for shape in self.shapes):
+            raise ValueError(f"channels-last cache rows need [C, T] caches, got shapes {self.shapes}")
+        self.layout = layout
         self.sizes = [int(np.prod(spec.shape)) for spec in specs]
         self.slots = SlotRows(rows, "slots=...")
         self.pool = torch.zeros(rows, sum(self.sizes), dtype=dtype, device=device)
 
     def read(self, slots: torch.Tensor, first: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The slots' caches; zeros where ``first`` (a stream's start) instead of the row."""
+        """The slots' caches, each ``[B, C, T]``; zeros where ``first`` (a stream's start) instead of the row."""
         rows = self.pool.index_select(0, slots)
         rows = torch.where(first, torch.zeros((), dtype=rows.dtype, device=rows.device), rows)
         parts = torch.split(rows, self.sizes, dim=1)
+        if self.layout == "channels-last":
+            return {name: part.reshape(-1, shape[1], shape[0]).transpose(1, 2)
+                    for name, shape, part in zip(self.names, self.shapes, parts)}
         return {name: part.reshape(-1, *shape) for name, shape, part in zip(self.names, self.shapes, parts)}
 
     def write(self, slots: torch.Tensor, caches: dict[str, torch.Tensor]) -> None:
         """``caches`` (as :meth:`read` gives them, any float dtype) into the slots' rows."""
-        flat = torch.cat([caches[name].reshape(slots.shape[0], -1).to(self.pool.dtype) for name in self.names], dim=1)
-        self.pool.index_copy_(0, slots, flat)
+        batch = slots.shape[0]
+        if self.layout == "channels-last":
+            pieces = [caches[name].transpose(1, 2).reshape(batch, -1) for name in self.names]
+        else:
+            pieces = [caches[name].reshape(batch, -1) for name in self.names]
+        self.pool.index_copy_(0, slots, torch.cat([piece.to(self.pool.dtype) for piece in pieces], dim=1))
 
 
 class CompiledBackend:
@@ -193,7 +210,9 @@ class CompiledBackend:
     ``device``: ``"cuda"``, ``"cuda:N"`` or ``"cpu"``. ``compile``: compile with ``torch.compile`` (default: on CUDA);
     ``cuda_graphs``: capture at :meth:`warmup` (CUDA only). ``slots``: device cache rows (one per open stream).
     ``conv_layout``: ``"channels-first"`` or ``"channels-last"`` (:data:`CONV_LAYOUTS`); None: the precision's
-    measured best (:data:`DEFAULT_CONV_LAYOUT`). ``compile_processes``: a first :meth:`warmup` (no marker of a warm
+    measured best (:data:`DEFAULT_CONV_LAYOUT`). ``cache_layout``: how the generator's cache rows lie on the device
+    (``"channels-last"``: each cache time-major, for channels-last convolutions; an experiment, not yet measured on
+    a GPU). ``compile_processes``: a first :meth:`warmup` (no marker of a warm
     cache, :mod:`~hift_runtime.compile_workers`) compiles its step graphs in this many processes side by side (1: in
     turn, in this process).
     """
@@ -205,13 +224,16 @@ class CompiledBackend:
     def __init__(self, manifest: Manifest, constants: StreamConstants, device: str = "cuda",
                  precision: str = DEFAULT_PRECISION, compile: bool | None = None, cuda_graphs: bool = True,
                  step_sizes: tuple[int, ...] | None = STEP_SIZES, batch_sizes: tuple[int, ...] = BATCH_SIZES,
-                 slots: int = 2048, conv_layout: str | None = None, compile_processes: int = 5) -> None:
+                 slots: int = 2048, conv_layout: str | None = None, compile_processes: int = 5,
+                 cache_layout: str = "channels-first") -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         conv_layout = DEFAULT_CONV_LAYOUT[precision] if conv_layout is None else conv_layout
         if conv_layout not in CONV_LAYOUTS:
             raise ValueError(f"conv_layout must be one of {CONV_LAYOUTS} (or None: the precision's best), "
                              f"got {conv_layout!r}")
+        if cache_layout not in CONV_LAYOUTS:
+            raise ValueError(f"cache_layout must be one of {CONV_LAYOUTS}, got {cache_layout!r}")
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ArtifactError("the compiled engine was asked for CUDA, but torch sees no CUDA device (a CPU build "
@@ -219,6 +241,7 @@ class CompiledBackend:
         if precision != "fp32" and self.device.type != "cuda":
             raise ValueError(f"precision {precision!r} is for CUDA devices; the CPU runs fp32")
         self.manifest, self.constants, self.precision, self.conv_layout = manifest, constants, precision, conv_layout
+        self.cache_layout = cache_layout
         self.cache_slots, self.compile_processes = slots, compile_processes
         self.on_cuda = self.device.type == "cuda"
         self.compiled = self.on_cuda if compile is None else compile
@@ -233,7 +256,8 @@ class CompiledBackend:
 
             store_channels_last(self.generator)
         self._trunk_dtype = torch.float16 if precision == "fp16" else None
-        self._generator_rows = _CacheRows(constants.generator_caches, slots + 1, torch.float32, self.device)
+        self._generator_rows = _CacheRows(constants.generator_caches, slots + 1, torch.float32, self.device,
+                                          cache_layout)
         self._f0_rows = _CacheRows(constants.f0_caches, slots + 1, next(self.predictor.parameters()).dtype,
                                    self.device)
         # F0 rows handed out and not written yet: their first F0 step reads zeros. (Added to by the thread opening a

@@ -63,6 +63,9 @@ class CudaOptions:
     # The compiled engine's convolution layout ("channels-first" or "channels-last"); None: the precision's measured
     # best (channels-last in fp16, channels-first in fp32 and tf32: hift_runtime.compiled.DEFAULT_CONV_LAYOUT).
     conv_layout: str | None = None
+    # How the compiled engine's generator cache rows lie on the device: "channels-first" (the default) or
+    # "channels-last" (each cache time-major, for channels-last convolutions: an experiment, not yet measured on a GPU).
+    cache_layout: str = "channels-first"
     # The compiled engine's first warmup compiles its five step graphs in this many processes side by side (on the
     # H200 a cold start of ~237 s against ~425 s in turn); 1: in turn, in this process.
     compile_processes: int = 5
@@ -636,9 +639,9 @@ def open_vocoder(artifacts: str | os.PathLike[str], *, device: Device = "auto",
                              "or tf32")
         if precision == "tf32":
             cuda = dataclasses.replace(cuda, use_tf32=True)
-        if cuda.conv_layout is not None:
-            raise ValueError("CudaOptions.conv_layout is the compiled engine's (engine='compiled'); ONNX Runtime "
-                             "chooses its own layouts")
+        if cuda.conv_layout is not None or cuda.cache_layout != "channels-first":
+            raise ValueError("CudaOptions.conv_layout and cache_layout are the compiled engine's (engine='compiled'); "
+                             "ONNX Runtime chooses its own layouts")
         backend = OrtBackend(manifest, constants, device=device, cuda=cuda, intra_op_threads=intra_op_threads)
         on_gpu = backend.generator_provider == CUDA
     if batching is None:
@@ -686,5 +689,5 @@ def _compiled_backend(manifest: Manifest, constants: StreamConstants, device: st
         target = "cpu"
     batches = tuple(b for b in COMPILED_BATCH_SIZES if b <= max(max_batch, COMPILED_BATCH_SIZES[0]))
     return CompiledBackend(manifest, constants, device=target, precision=precision, batch_sizes=batches,
-                           slots=cuda.slots, conv_layout=cuda.conv_layout,
+                           slots=cuda.slots, conv_layout=cuda.conv_layout, cache_layout=cuda.cache_layout,
                            compile_processes=cuda.compile_processes)

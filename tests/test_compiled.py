@@ -147,19 +147,21 @@ def test_engine_selection(small_artifacts):
         open_vocoder(small_artifacts.out, device="cpu", engine="compiled", precision="fp16")
 
 
-def test_channels_last_convolutions_stream_as_channels_first(small_artifacts, ort_cpu):
+@pytest.mark.parametrize("cache_layout", ["channels-first", "channels-last"])
+def test_channels_last_convolutions_stream_as_channels_first(small_artifacts, ort_cpu, cache_layout):
     """fp16's layout on the GPU (every generator Conv1d weight [O, I, 1, K] channels-last, run as 2-D convolutions),
-    run here in fp32: the same streams within the engines' tolerance (another order of summation; measured 1.3e-7
-    apart on the reduced model); the F0 predictor keeps its 1-D weights."""
+    run here in fp32, with the cache rows as they are or time-major: the same streams within the engines' tolerance
+    (another order of summation; measured 1.3e-7 apart on the reduced model); the F0 predictor keeps its 1-D
+    weights."""
     import torch
 
     from hift_export.layers import Conv1d
     from hift_runtime import CudaOptions
 
     vocoder = open_vocoder(small_artifacts.out, device="cpu", engine="compiled",
-                           cuda=CudaOptions(conv_layout="channels-last"))
+                           cuda=CudaOptions(conv_layout="channels-last", cache_layout=cache_layout))
     backend = vocoder.backend
-    assert backend.conv_layout == "channels-last"
+    assert backend.conv_layout == "channels-last" and backend.cache_layout == cache_layout
     convs = [m for m in backend.generator.modules() if isinstance(m, Conv1d)]
     assert convs and all(m.weight.dim() == 4 and m.weight.is_contiguous(memory_format=torch.channels_last)
                          for m in convs)
@@ -183,7 +185,9 @@ def test_conv_layout_is_checked(small_artifacts):
         DEFAULT_CONV_LAYOUT["fp32"] == "channels-first"
     with pytest.raises(ValueError, match="conv_layout must be one of"):
         open_vocoder(small_artifacts.out, device="cpu", engine="compiled", cuda=CudaOptions(conv_layout="nhwc"))
-    with pytest.raises(ValueError, match="conv_layout is the compiled engine's"):
+    with pytest.raises(ValueError, match="cache_layout must be one of"):
+        open_vocoder(small_artifacts.out, device="cpu", engine="compiled", cuda=CudaOptions(cache_layout="nwc"))
+    with pytest.raises(ValueError, match="cache_layout are the compiled engine's"):
         open_vocoder(small_artifacts.out, device="cpu", engine="ort", cuda=CudaOptions(conv_layout="channels-last"))
     generator, _ = build_unfolded(HiFTConfig().reduced(), spectral="conv")  # weight norms not folded
     with pytest.raises(ValueError, match="fold the weight norms"):
@@ -333,3 +337,23 @@ def test_the_warm_marker_names_what_the_graphs_depend_on(small_artifacts, tmp_pa
               for key, value in (("precision", "tf32"), ("conv_layout", "channels-first"), ("cache_slots", 3100))]
     others.append(warm_marker(SimpleNamespace(**base), (24, 8)))
     assert len({marker, *others}) == 5
+
+
+def test_time_major_cache_rows_hold_each_cache_transposed():
+    """cache_layout="channels-last": a [C, T] cache lies T-major in its row, and reads back as the [B, C, T] it was."""
+    import torch
+    from types import SimpleNamespace
+
+    from hift_runtime.compiled import _CacheRows
+
+    specs = (SimpleNamespace(name="a", shape=[3, 2]), SimpleNamespace(name="b", shape=[1, 4]))
+    rows = _CacheRows(specs, 3, torch.float32, torch.device("cpu"), "channels-last")
+    caches = {"a": torch.arange(6.0).reshape(1, 3, 2), "b": torch.arange(10.0, 14.0).reshape(1, 1, 4)}
+    slots = torch.tensor([2])
+    rows.write(slots, caches)
+    assert rows.pool[2].tolist() == [0.0, 2.0, 4.0, 1.0, 3.0, 5.0, 10.0, 11.0, 12.0, 13.0]
+    read = rows.read(slots, torch.tensor([[False]]))
+    assert all(torch.equal(read[k], caches[k]) for k in caches)
+    assert read["a"].stride()[1] == 1  # the channels innermost, as channels-last activations
+    with pytest.raises(ValueError, match=r"need \[C, T\] caches"):
+        _CacheRows((SimpleNamespace(name="c", shape=[4]),), 2, torch.float32, torch.device("cpu"), "channels-last")
