@@ -41,7 +41,7 @@ def worker_command(backend: Any, kind: str, size: int) -> list[str]:
     """The command that compiles ``backend``'s step ``kind`` of ``size`` frames into the cache, in a new process."""
     return [sys.executable, "-m", "hift_runtime.compile_workers", "--artifacts", str(backend.manifest.root),
             "--precision", backend.precision, "--slots", str(backend.cache_slots), "--device", str(backend.device),
-            "--conv-layout", backend.conv_layout, "--cache-layout", getattr(backend, "cache_layout", "channels-first"),
+            "--conv-layout", backend.conv_layout, "--cache-layout", backend.cache_layout,
             "--shape", f"{kind}:{size}"]
 
 
@@ -117,7 +117,7 @@ def warm_marker(backend: Any, step_sizes: tuple[int, ...]) -> Path:
     device = backend.device
     arch = torch.cuda.get_device_capability(device) if device.type == "cuda" else "cpu"
     what = {"torch": torch.__version__, "arch": str(arch), "precision": backend.precision,
-            "conv_layout": backend.conv_layout, "cache_layout": getattr(backend, "cache_layout", "channels-first"),
+            "conv_layout": backend.conv_layout, "cache_layout": backend.cache_layout,
             "slots": backend.cache_slots, "step_sizes": list(step_sizes),
             "config": backend.manifest.config, "step": backend.manifest.step, "code": code.hexdigest()}
     key = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:24]

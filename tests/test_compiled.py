@@ -312,7 +312,7 @@ def test_a_first_warmup_compiles_side_by_side_once(small_artifacts, tmp_path, mo
     manifest = read_manifest(small_artifacts.out)
     engine = SimpleNamespace(manifest=manifest, constants=StreamConstants.from_manifest(manifest.config, manifest.step),
                              precision="fp32", cache_slots=8, device=torch.device("cpu"), conv_layout="channels-last",
-                             compile_processes=2)
+                             cache_layout="channels-last", compile_processes=2)
     said: list[str] = []
     marker = precompile(engine, (), said.append)  # no stream step sizes: the final step's worker alone
     assert marker.exists() and any("first start" in m for m in said), said
@@ -330,13 +330,14 @@ def test_the_warm_marker_names_what_the_graphs_depend_on(small_artifacts, tmp_pa
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     base = dict(manifest=read_manifest(small_artifacts.out), precision="fp16", cache_slots=2048,
-                device=torch.device("cpu"), conv_layout="channels-last")
+                device=torch.device("cpu"), conv_layout="channels-last", cache_layout="channels-first")
     marker = warm_marker(SimpleNamespace(**base), (24, 8, 4, 1))
     assert marker.parent == tmp_path / "hift" and marker == warm_marker(SimpleNamespace(**base), (24, 8, 4, 1))
     others = [warm_marker(SimpleNamespace(**{**base, key: value}), (24, 8, 4, 1))
-              for key, value in (("precision", "tf32"), ("conv_layout", "channels-first"), ("cache_slots", 3100))]
+              for key, value in (("precision", "tf32"), ("conv_layout", "channels-first"), ("cache_slots", 3100),
+                                 ("cache_layout", "channels-last"))]
     others.append(warm_marker(SimpleNamespace(**base), (24, 8)))
-    assert len({marker, *others}) == 5
+    assert len({marker, *others}) == 6
 
 
 def test_time_major_cache_rows_hold_each_cache_transposed():
