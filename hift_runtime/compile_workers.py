@@ -9,7 +9,9 @@ compiles its shape as warmup would (:meth:`~hift_runtime.compiled.CompiledBacken
 
 Once a warmup has finished, a marker in inductor's cache folder (:func:`warm_marker`) says the cache holds this
 engine's graphs: later starts skip the workers (they would only load the cache a second time). Side by side is an
-optimisation only: a worker that fails is reported and its shape compiled by the warmup itself.
+optimisation only: a worker that fails is reported and its shape compiled by the warmup itself. Each worker holds a
+CUDA context, the model and the device cache pool (1.2 GB at 2 048 slots) while it compiles: on a small GPU, set
+``CudaOptions(compile_processes=1)`` (in turn, in the process).
 
 One worker (what the engine runs; not a user command)::
 
