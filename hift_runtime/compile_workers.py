@@ -26,6 +26,7 @@ import concurrent.futures
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -39,9 +40,17 @@ _GRAPH_SOURCES = ("hift_export/step.py", "hift_export/layers.py", "hift_export/g
                   "hift_export/spectral_ops.py", "hift_runtime/compiled.py")
 
 
+def python_executable() -> str:
+    """This interpreter, to start a worker with; inside a process that embeds Python (Triton's Python-backend stub,
+    where ``sys.executable`` may name the stub binary) the ``python3`` on ``PATH`` (hift-serve puts its own first)."""
+    if sys.executable and Path(sys.executable).name.startswith("python"):
+        return sys.executable
+    return shutil.which("python3") or sys.executable
+
+
 def worker_command(backend: Any, kind: str, size: int) -> list[str]:
     """The command that compiles ``backend``'s step ``kind`` of ``size`` frames into the cache, in a new process."""
-    return [sys.executable, "-m", "hift_runtime.compile_workers", "--artifacts", str(backend.manifest.root),
+    return [python_executable(), "-m", "hift_runtime.compile_workers", "--artifacts", str(backend.manifest.root),
             "--precision", backend.precision, "--slots", str(backend.cache_slots), "--device", str(backend.device),
             "--conv-layout", backend.conv_layout, "--cache-layout", backend.cache_layout,
             "--shape", f"{kind}:{size}"]

@@ -361,3 +361,16 @@ def test_time_major_cache_rows_hold_each_cache_transposed():
     assert read["a"].stride()[1] == 1  # the channels innermost, as channels-last activations
     with pytest.raises(ValueError, match=r"need \[C, T\] caches"):
         _CacheRows((SimpleNamespace(name="c", shape=[4]),), 2, torch.float32, torch.device("cpu"), "channels-last")
+
+
+def test_workers_start_with_a_python_even_inside_an_embedding_process(monkeypatch):
+    """In Triton's Python-backend stub sys.executable may name the stub: the workers then use the python3 on PATH."""
+    import os
+    import sys
+
+    from hift_runtime import compile_workers
+
+    assert compile_workers.python_executable() == sys.executable
+    monkeypatch.setattr(sys, "executable", "/opt/tritonserver/backends/python/triton_python_backend_stub")
+    found = compile_workers.python_executable()
+    assert os.path.basename(found).startswith("python") and os.access(found, os.X_OK)
