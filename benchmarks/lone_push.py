@@ -16,6 +16,8 @@ and captured, so the warmup is two compiles. Medians and p95 in ms, each over ``
   both calls in the caller's thread);
 * ``push_thread``: the same through the scheduler thread (the runtime's default);
 * ``apush_loop``: ``await stream.apush`` with the scheduler driven by the event loop (``--scheduler loop``);
+* ``*_inline``: the same with the scheduler's ``inline_lone_calls`` on (an experiment: a lone push's calls made in
+  the scheduling thread, without the device thread's hand-offs);
 * ``*_paced``: the same at real-time pace (a push every 480 ms, as a live stream pushes), where the GPU idles between
   pushes (clocks down, caches cold).
 
@@ -29,6 +31,7 @@ import argparse
 import asyncio
 import datetime as dt
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -39,9 +42,10 @@ import numpy as np
 
 
 def summary(ms: list[float]) -> dict[str, float]:
+    """Median and nearest-rank p95 (at 20 and 300 samples the 19th and 285th)."""
     ordered = sorted(ms)
-    return {"p50": round(statistics.median(ordered), 3), "p95": round(ordered[int(0.95 * (len(ordered) - 1))], 3),
-            "n": len(ordered)}
+    return {"p50": round(statistics.median(ordered), 3),
+            "p95": round(ordered[max(0, math.ceil(0.95 * len(ordered)) - 1)], 3), "n": len(ordered)}
 
 
 def timed(fn: Callable[[], Any], runs: int, pace_s: float = 0.0) -> dict[str, float]:
@@ -122,10 +126,14 @@ def main() -> None:
         rows[arm] = pushes(stream.push, args.paced if paced else args.pushes, pace if paced else 0.0)
         stream.close()
     vocoder.scheduler = scheduler
-    for arm, paced in (("push_thread", False), ("push_thread_paced", True)):
-        stream = vocoder.stream()
-        rows[arm] = pushes(stream.push, args.paced if paced else args.pushes, pace if paced else 0.0)
-        stream.close()
+    for inline in (False, True):
+        scheduler.inline_lone_calls = inline
+        for paced in (False, True):
+            arm = "push_thread" + ("_inline" if inline else "") + ("_paced" if paced else "")
+            stream = vocoder.stream()
+            rows[arm] = pushes(stream.push, args.paced if paced else args.pushes, pace if paced else 0.0)
+            stream.close()
+    scheduler.inline_lone_calls = False
 
     async def loop_arm(runs: int, pace_s: float) -> dict[str, float]:
         scheduler.attach_loop(asyncio.get_running_loop())
@@ -146,8 +154,12 @@ def main() -> None:
         finally:
             scheduler.detach_loop()
 
-    rows["apush_loop"] = asyncio.run(loop_arm(args.pushes, 0.0))
-    rows["apush_loop_paced"] = asyncio.run(loop_arm(args.paced, pace))
+    for inline in (False, True):
+        scheduler.inline_lone_calls = inline
+        name = "apush_loop" + ("_inline" if inline else "")
+        rows[name] = asyncio.run(loop_arm(args.pushes, 0.0))
+        rows[name + "_paced"] = asyncio.run(loop_arm(args.paced, pace))
+    scheduler.inline_lone_calls = False
     parity = None
     if args.parity_seconds:
         from hift_runtime.metrics import log_spectral_distance_db, max_abs, snr_db

@@ -129,6 +129,11 @@ class PushScheduler:
         self.backend, self.max_batch, self.max_wait_s = backend, max_batch, max_wait_s
         # The smallest group queued behind a call on the device (see _launch_due): a quarter of a full batch.
         self.queue_behind = max(1, max_batch // 4)
+        # An experiment (off; benchmarks/lone_push.py --inline-lone-calls): a lone push's calls made in the scheduling
+        # thread itself when it is the only push in hand and the device is idle, skipping the device thread's two
+        # hand-offs a call (on the H200 a paced lone push spent 0.55-0.98 ms in hand-offs). Only over a backend whose
+        # calls may come from any thread (calls_from_any_thread: the compiled engine, which locks its own calls).
+        self.inline_lone_calls = False
         self.pushes_in_progress = pushes_in_progress or (lambda: 0)
         self.stats = BatchStats()
         self._arrivals: list[_Push] = []
@@ -411,7 +416,9 @@ class PushScheduler:
         on the H200, the device was idle a third of the time); a smaller group waits for the landed call's pushes,
         which may join it."""
         while len(flights) < 2:
-            flight = self._launch_if_due(ready, self.queue_behind if flights else 1)
+            inline = (not flights and self.inline_lone_calls and len(self._handed_over) == 1
+                      and getattr(self.backend, "calls_from_any_thread", False))
+            flight = self._launch_if_due(ready, self.queue_behind if flights else 1, inline)
             if flight is None:
                 return
             self.stats.queued += bool(flights)
@@ -437,9 +444,10 @@ class PushScheduler:
         return sorted((p for p in ready if p.call.key == key),  # type: ignore[union-attr]
                       key=lambda p: p.handed_over_at)
 
-    def _launch_if_due(self, ready: list[_Push], min_group: int = 1) -> _Flight | None:
+    def _launch_if_due(self, ready: list[_Push], min_group: int = 1, inline: bool = False) -> _Flight | None:
         """The next batched call, unless nothing is ready, its group is smaller than ``min_group`` or still waits for
-        partners (the loop then waits, at most until the partner wait is over)."""
+        partners (the loop then waits, at most until the partner wait is over). ``inline``: a call of one push runs
+        here, in the scheduling thread, and comes back landed (see ``inline_lone_calls``)."""
         if not ready:
             return None
         group = self._group_of(ready)  # computed once: it is sorted over every ready push
@@ -451,6 +459,13 @@ class PushScheduler:
         calls = [p.call for p in group]
         for p in group:
             p.wrote_caches |= p.call.writes_caches  # type: ignore[union-attr]
+        if inline and len(group) == 1:
+            future: concurrent.futures.Future[tuple[list[Any], float]] = concurrent.futures.Future()
+            try:
+                future.set_result(self._timed_call(calls))
+            except BaseException as exc:  # noqa: BLE001 - as the device thread's future would hold it
+                future.set_exception(exc)
+            return _Flight(group, future)
         future = self._device.submit(self._timed_call, calls)
         future.add_done_callback(self._notify)
         return _Flight(group, future)

@@ -219,6 +219,7 @@ class CompiledBackend:
 
     caches_in_place = True
     f0_caches_in_place = True
+    calls_from_any_thread = True  # its calls hold its own lock (PushScheduler.inline_lone_calls)
     takes_noise_positions = True
 
     def __init__(self, manifest: Manifest, constants: StreamConstants, device: str = "cuda",

@@ -374,3 +374,47 @@ def test_workers_start_with_a_python_even_inside_an_embedding_process(monkeypatc
     monkeypatch.setattr(sys, "executable", "/opt/tritonserver/backends/python/triton_python_backend_stub")
     found = compile_workers.python_executable()
     assert os.path.basename(found).startswith("python") and os.access(found, os.X_OK)
+
+
+def test_inline_lone_calls_run_in_the_scheduling_thread_and_change_no_audio(small_artifacts, ort_cpu):
+    """The scheduler's inline_lone_calls experiment over the compiled engine: a lone push's calls run in the
+    scheduling thread (the scheduler's own, or the event loop's); every stream equals the ORT engine's, alone and
+    concurrent, threaded and loop-driven."""
+    import asyncio
+    import threading
+
+    vocoder = open_vocoder(small_artifacts.out, device="cpu", engine="compiled", batching=True, max_wait_ms=5)
+    scheduler, backend = vocoder.scheduler, vocoder.backend
+    scheduler.inline_lone_calls = True
+    threads: list[str] = []
+    step = backend.generator_step
+
+    def recorded(*args):
+        threads.append(threading.current_thread().name)
+        return step(*args)
+
+    backend.generator_step = recorded
+    mels = [random_mel(90, seed=80 + i) for i in range(5)]
+    want = [streamed(ort_cpu, m, [24] * 3 + [500]) for m in mels]
+    try:
+        assert max_abs(streamed(vocoder, mels[0], [24] * 3 + [500]), want[0]) <= TOLERANCE
+        assert threads and set(threads) == {"hift-scheduler"}, threads
+        threads.clear()
+        got = run_in_threads(lambda i: streamed(vocoder, mels[i], [24] * 3 + [500]), range(1, 5))
+        assert all(max_abs(g, w) <= TOLERANCE for g, w in zip(got, want[1:]))
+
+        async def lone() -> np.ndarray:
+            scheduler.attach_loop(asyncio.get_running_loop())
+            try:
+                stream = vocoder.stream()
+                pieces = [await stream.apush(mels[0][:, k:k + 24]) for k in range(0, 90, 24)]
+                return np.concatenate(pieces + [await stream.afinish()])
+            finally:
+                scheduler.detach_loop()
+
+        threads.clear()
+        assert max_abs(asyncio.run(lone()), want[0]) <= TOLERANCE
+        assert set(threads) == {threading.main_thread().name}, threads  # the loop's thread
+    finally:
+        vocoder.close()
+    assert backend.slots_in_use == 0
