@@ -129,10 +129,11 @@ class PushScheduler:
         self.backend, self.max_batch, self.max_wait_s = backend, max_batch, max_wait_s
         # The smallest group queued behind a call on the device (see _launch_due): a quarter of a full batch.
         self.queue_behind = max(1, max_batch // 4)
-        # An experiment (off; benchmarks/lone_push.py --inline-lone-calls): a lone push's calls made in the scheduling
-        # thread itself when it is the only push in hand and the device is idle, skipping the device thread's two
-        # hand-offs a call (on the H200 a paced lone push spent 0.55-0.98 ms in hand-offs). Only over a backend whose
-        # calls may come from any thread (calls_from_any_thread: the compiled engine, which locks its own calls).
+        # An experiment (off; benchmarks/lone_push.py times it as its *_inline arms): a lone push's calls made in the
+        # scheduling thread itself when it is the only push in hand and the device is idle, skipping the device
+        # thread's two hand-offs a call (on the H200 a paced lone push spent 0.55-0.98 ms in hand-offs). Only over a
+        # backend whose calls may come from any thread (calls_from_any_thread: the compiled engine, which locks its
+        # own calls).
         self.inline_lone_calls = False
         self.pushes_in_progress = pushes_in_progress or (lambda: 0)
         self.stats = BatchStats()
