@@ -37,7 +37,7 @@ def main() -> None:
     p.add_argument("--out", help="a JSON of the wall times")
     args = p.parse_args()
 
-    from hift_runtime.compile_workers import compile_side_by_side, worker_command
+    from hift_runtime.compile_workers import compile_side_by_side, compile_units, worker_command
     from hift_runtime.compiled import DEFAULT_CONV_LAYOUT, STEP_SIZES
     from hift_runtime.manifest import read_manifest
     from hift_runtime.streaming import StreamConstants
@@ -45,7 +45,7 @@ def main() -> None:
     manifest = read_manifest(args.artifacts)
     constants = StreamConstants.from_manifest(manifest.config, manifest.step)
     units = ([(k, int(n)) for k, n in (item.split(":") for item in args.shapes.split(","))] if args.shapes
-             else [("generator", size) for size in STEP_SIZES] + [("final", constants.mel_look_ahead)])
+             else compile_units(STEP_SIZES, constants.mel_look_ahead))
     # What worker_command reads of a backend, without building one here (no device memory in this process).
     engine = SimpleNamespace(manifest=manifest, precision=args.precision, cache_slots=args.slots, device=args.device,
                              conv_layout=args.conv_layout or DEFAULT_CONV_LAYOUT[args.precision],

@@ -46,6 +46,12 @@ FAMILIES = (
 )
 
 
+# A variant's (conv_layout, cache_layout) for the engine; any other variant: the precision's convolution layout.
+VARIANT_LAYOUTS = {"channels-first": ("channels-first", "channels-first"),
+                   "channels-last": ("channels-last", "channels-first"),
+                   "channels-last-caches": ("channels-last", "channels-last")}
+
+
 def family(kernel: str) -> str:
     name = kernel.lower()
     for label, marks in FAMILIES:
@@ -144,7 +150,7 @@ def main() -> None:
     import torch
     import torch._inductor.config as inductor_config
 
-    from hift_runtime.compiled import CONV_LAYOUTS, CompiledBackend
+    from hift_runtime.compiled import CompiledBackend
     from hift_runtime.manifest import read_manifest
     from hift_runtime.noise import NoiseTable
     from hift_runtime.streaming import StreamConstants
@@ -170,9 +176,7 @@ def main() -> None:
                 result["runs"][f"{precision}/{variant}"] = {"skipped": "over --budget-s"}
                 continue
             inductor_config.max_autotune = variant == "max-autotune"
-            caches = "channels-last" if variant == "channels-last-caches" else "channels-first"
-            layout = "channels-last" if variant == "channels-last-caches" else (
-                variant if variant in CONV_LAYOUTS else None)
+            layout, caches = VARIANT_LAYOUTS.get(variant, (None, "channels-first"))
             backend = CompiledBackend(manifest, constants, device=args.device, precision=precision,
                                       step_sizes=tuple(frame_sizes), batch_sizes=tuple(batches),
                                       slots=max(batches) + 8, conv_layout=layout, cache_layout=caches)

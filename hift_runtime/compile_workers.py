@@ -25,7 +25,6 @@ import argparse
 import concurrent.futures
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -48,6 +47,12 @@ def python_executable() -> str:
     return shutil.which("python3") or sys.executable
 
 
+def compile_units(step_sizes: tuple[int, ...], mel_look_ahead: int) -> list[tuple[str, int]]:
+    """The engine's compiles, one a unit: the stream step at each of ``step_sizes``, the final step (its frames: the
+    mel look-ahead)."""
+    return [("generator", size) for size in step_sizes] + [("final", mel_look_ahead)]
+
+
 def worker_command(backend: Any, kind: str, size: int) -> list[str]:
     """The command that compiles ``backend``'s step ``kind`` of ``size`` frames into the cache, in a new process."""
     return [python_executable(), "-m", "hift_runtime.compile_workers", "--artifacts", str(backend.manifest.root),
@@ -65,8 +70,7 @@ def compile_side_by_side(commands: dict[str, list[str]], processes: int, say: Ca
     def run(name: str) -> float | None:
         t0 = time.perf_counter()
         try:
-            done = subprocess.run(commands[name], capture_output=True, text=True, timeout=timeout_s,
-                                  env=os.environ.copy())
+            done = subprocess.run(commands[name], capture_output=True, text=True, timeout=timeout_s)
         except (OSError, subprocess.TimeoutExpired) as exc:
             say(f"warmup: compiling {name} in a process of its own failed ({exc}); the warmup compiles it")
             return None
@@ -102,7 +106,7 @@ def precompile(backend: Any, step_sizes: tuple[int, ...], say: Callable[[str], N
         fcntl.flock(lock, fcntl.LOCK_EX)
         if marker.exists():
             return marker
-        units = [("generator", size) for size in step_sizes] + [("final", backend.constants.mel_look_ahead)]
+        units = compile_units(step_sizes, backend.constants.mel_look_ahead)
         say(f"warmup: a first start: compiling {len(units)} step graphs in {backend.compile_processes} processes "
             f"side by side into inductor's cache (~2 min on an H200)")
         seconds = compile_side_by_side({f"{kind}:{size}": worker_command(backend, kind, size) for kind, size in units},

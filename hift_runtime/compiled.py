@@ -243,7 +243,7 @@ class CompiledBackend:
             raise ValueError(f"precision {precision!r} is for CUDA devices; the CPU runs fp32")
         self.manifest, self.constants, self.precision, self.conv_layout = manifest, constants, precision, conv_layout
         self.cache_layout = cache_layout
-        self.cache_slots, self.compile_processes = slots, compile_processes
+        self.compile_processes = compile_processes
         self.on_cuda = self.device.type == "cuda"
         self.compiled = self.on_cuda if compile is None else compile
         self.cuda_graphs = cuda_graphs and self.on_cuda
@@ -361,8 +361,13 @@ class CompiledBackend:
         """Streams holding device rows (generator or F0: each open stream holds one of each)."""
         return max(self._generator_rows.slots.in_use, self._f0_rows.slots.in_use)
 
+    @property
+    def cache_slots(self) -> int:
+        """Device cache rows for streams (the constructor's ``slots``; row 0 is scratch)."""
+        return self._generator_rows.slots.rows - 1
+
     def stream_capacity(self) -> int:
-        return max(1, self._generator_rows.slots.rows - 1 - OFFLINE_SLOTS)
+        return max(1, self.cache_slots - OFFLINE_SLOTS)
 
     def new_caches(self, kind: str, batch: int = 1) -> Any:
         if batch != 1:
@@ -465,8 +470,7 @@ class CompiledBackend:
         self.compiles_at_warmup = compile_count()
         if marker is not None:
             try:
-                marker.parent.mkdir(parents=True, exist_ok=True)
-                marker.touch()
+                marker.touch()  # its folder made by precompile (where it could not be, this fails too)
             except OSError as exc:  # a read-only cache: every start compiles side by side again
                 say(f"warmup: cannot mark inductor's cache as warm ({exc})")
         say(warmup_summary(self.warmup_seconds))
