@@ -115,37 +115,39 @@ def main() -> None:
     mel = (rng.standard_normal((c.in_channels, 24 * (max(args.pushes, args.paced) + 8))) * 2.0 - 5.0
            ).astype(np.float32)
 
-    def pushes(push: Callable[[np.ndarray], Any], runs: int, pace_s: float = 0.0) -> dict[str, float]:
-        chunks = iter(np.split(mel[:, :24 * (runs + 4)], runs + 4, axis=1))
-        return timed(lambda: push(next(chunks)), runs, pace_s)
+    def chunks(runs: int) -> Any:
+        """24-frame chunks for 3 unmeasured pushes and ``runs`` measured ones (and one to spare)."""
+        return iter(np.split(mel[:, :24 * (runs + 4)], runs + 4, axis=1))
+
+    def push_arm(paced: bool) -> dict[str, float]:
+        """A new stream's ``push`` timed, back to back or at real-time pace."""
+        runs = args.paced if paced else args.pushes
+        stream, pieces = vocoder.stream(), chunks(runs)
+        try:
+            return timed(lambda: stream.push(next(pieces)), runs, pace if paced else 0.0)
+        finally:
+            stream.close()
 
     scheduler = vocoder.scheduler
-    for arm, paced in (("push_direct", False), ("push_direct_paced", True)):
-        vocoder.scheduler = None
-        stream = vocoder.stream()
-        rows[arm] = pushes(stream.push, args.paced if paced else args.pushes, pace if paced else 0.0)
-        stream.close()
+    vocoder.scheduler = None
+    rows["push_direct"], rows["push_direct_paced"] = push_arm(False), push_arm(True)
     vocoder.scheduler = scheduler
     for inline in (False, True):
         scheduler.inline_lone_calls = inline
-        for paced in (False, True):
-            arm = "push_thread" + ("_inline" if inline else "") + ("_paced" if paced else "")
-            stream = vocoder.stream()
-            rows[arm] = pushes(stream.push, args.paced if paced else args.pushes, pace if paced else 0.0)
-            stream.close()
+        name = "push_thread" + ("_inline" if inline else "")
+        rows[name], rows[name + "_paced"] = push_arm(False), push_arm(True)
     scheduler.inline_lone_calls = False
 
     async def loop_arm(runs: int, pace_s: float) -> dict[str, float]:
         scheduler.attach_loop(asyncio.get_running_loop())
         try:
-            stream = vocoder.stream()
-            chunks = iter(np.split(mel[:, :24 * (runs + 4)], runs + 4, axis=1))
+            stream, pieces = vocoder.stream(), chunks(runs)
             for _ in range(3):
-                await stream.apush(next(chunks))
+                await stream.apush(next(pieces))
             ms = []
             for _ in range(runs):
                 t0 = time.perf_counter()
-                await stream.apush(next(chunks))
+                await stream.apush(next(pieces))
                 ms.append((time.perf_counter() - t0) * 1e3)
                 if pace_s:
                     await asyncio.sleep(max(0.0, pace_s - (time.perf_counter() - t0)))
