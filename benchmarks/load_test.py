@@ -444,6 +444,8 @@ def main() -> None:
                    help="the compiled engine's convolution layout (CudaOptions.conv_layout; default: the precision's)")
     p.add_argument("--cache-layout", choices=["channels-first", "channels-last"], default=None,
                    help="the compiled engine's cache rows (CudaOptions.cache_layout; default: channels-first)")
+    p.add_argument("--inline-lone-calls", action="store_true",
+                   help="the scheduler's inline_lone_calls on (in process: a lone push's calls in the scheduling thread)")
     p.add_argument("--max-streams", type=int, default=None,
                    help="open streams at most (in-process configs and hift-serve --max-streams): a ramp past it shows "
                         "new streams refused with the overload message while the open ones keep real time")
@@ -539,6 +541,9 @@ def main() -> None:
             vocoder = open_vocoder(args.artifacts, device=args.device, cuda=cuda, batching=options[1], engine=engine,
                                    precision=precision, devices=args.gpus)
             vocoder.warmup(progress=lambda msg: print(name, msg, flush=True))
+        ready_s = round(time.perf_counter() - t0, 1)  # opened and warmed up: the start-up (no parity check in it)
+        if args.inline_lone_calls and getattr(vocoder, "scheduler", None) is not None:
+            vocoder.scheduler.inline_lone_calls = True
         parity = None if name == "served" or name.startswith("modelled") else parity_vs_cpu(vocoder, args.artifacts)
         print(name, "largest difference from the CPU EP's offline pass:", parity, flush=True)
         if args.max_streams and name != "served":
@@ -563,7 +568,8 @@ def main() -> None:
         keys = {v: key_of(*v) for v in variants if name != "served" or v[2] == "thread"}
         rows_of: dict[tuple[float | None, int | None, str], list[dict[str, Any]]] = {v: [] for v in keys}
         for (ms, qb, driver), key in keys.items():
-            result["configs"][key] = {"open_and_warmup_s": round(time.perf_counter() - t0, 1),
+            result["configs"][key] = {"open_and_warmup_s": ready_s,
+                                      "inline_lone_calls": bool(args.inline_lone_calls),
                                       "warm_stream_s": warm_stream_s, "parity_max_abs_vs_cpu": parity,
                                       "switch_interval_ms": ms, "queue_behind": qb,
                                       "loop_scheduler": driver == "loop",  # asyncio clients, in process

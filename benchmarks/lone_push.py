@@ -3,6 +3,7 @@ stream's bookkeeping, and the scheduler's hand-offs, each timed apart on the sam
 reports figures (issue 20's target for a lone push is 3 ms in tf32 / fp16, 4 ms in fp32).
 
     python benchmarks/lone_push.py --artifacts DIR --precision tf32 [--pushes 200] [--conv-layout channels-last]
+        [--cache-layout channels-last]
         [--out R.json]
 
 Only the 24-frame stream step, the final step and the F0 steps at B = 2 (a lone push runs padded to 2) are compiled
@@ -70,6 +71,8 @@ def main() -> None:
     p.add_argument("--paced", type=int, default=20, help="pushes at real-time pace (480 ms apart) per arm")
     p.add_argument("--conv-layout", choices=["channels-first", "channels-last"], default=None,
                    help="the compiled engine's convolution layout (default: the precision's)")
+    p.add_argument("--cache-layout", choices=["channels-first", "channels-last"], default="channels-first",
+                   help="how the generator's cache rows lie on the device (CudaOptions.cache_layout)")
     p.add_argument("--slots", type=int, default=None,
                    help="device cache slots (CudaOptions.slots; the same as a precompile's to load its cache)")
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (eager fp32, no graphs: to try the script)")
@@ -85,7 +88,8 @@ def main() -> None:
     cuda = args.device != "cpu"
     vocoder = open_vocoder(args.artifacts, device=args.device, engine="compiled", precision=args.precision,
                            max_batch=2, batching=True,
-                           cuda=CudaOptions(slots=args.slots or CudaOptions.slots, conv_layout=args.conv_layout))
+                           cuda=CudaOptions(slots=args.slots or CudaOptions.slots, conv_layout=args.conv_layout,
+                                                    cache_layout=args.cache_layout))
     backend = vocoder.backend
     backend.warmup((24,), progress=lambda msg: print(msg, flush=True))
     warmup_s = time.perf_counter() - started
@@ -179,7 +183,8 @@ def main() -> None:
               "command": "python benchmarks/lone_push.py " + " ".join(
                   f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
               "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
-              "conv_layout": backend.conv_layout, "open_and_warmup_s": round(warmup_s, 1), "ms": rows,
+              "conv_layout": backend.conv_layout, "cache_layout": backend.cache_layout,
+              "open_and_warmup_s": round(warmup_s, 1), "ms": rows,
               "parity_vs_cpu_fp32": parity}
     for name, row in rows.items():
         print(f"{name:24s} p50 {row['p50']:7.3f}  p95 {row['p95']:7.3f}  (n={row['n']})", flush=True)
