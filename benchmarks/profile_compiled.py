@@ -3,7 +3,7 @@ per precision, step size and batch size, through ``torch.profiler``. Not a test:
 
     python benchmarks/profile_compiled.py --artifacts DIR --out R.json [--precisions tf32,fp16,fp32]
         [--batches 2,256] [--frames 24,8,4,1]
-        [--variants default,max-autotune,channels-first,channels-last,channels-last-caches]
+        [--variants default,max-autotune,channels-first,channels-last,channels-last-caches,channels-last-nd-tiling]
         [--budget-s 500]
 
 Each (precision, variant, step size) compiles the step once (batch dynamic, as the engine does), then calls it
@@ -20,7 +20,8 @@ Variants: ``default`` (the engine as it ships: the precision's convolution layou
 as 2-D ones over ``[B, C, 1, T]`` with weights stored channels-last and inductor's layout optimization forced, so
 cuDNN's tensor-core kernels get NHWC operands without a transpose before and after each), ``channels-last-caches``
 (channels-last convolutions and the engine's ``cache_layout="channels-last"``: the cache rows time-major, so the
-concatenations of cache and input read both along the channels). Each variant's audio is
+concatenations of cache and input read both along the channels), ``channels-last-nd-tiling`` (channels-last with
+inductor's N-D tiling preferred for pointwise kernels). Each variant's audio is
 compared with the first variant's on the same inputs (``vs_default``). The JSON is rewritten after each (precision,
 variant), so a run cut short keeps what it measured.
 """
@@ -46,10 +47,18 @@ FAMILIES = (
 )
 
 
-# A variant's (conv_layout, cache_layout) for the engine; any other variant: the precision's convolution layout.
-VARIANT_LAYOUTS = {"channels-first": ("channels-first", "channels-first"),
-                   "channels-last": ("channels-last", "channels-first"),
-                   "channels-last-caches": ("channels-last", "channels-last")}
+# A variant's (conv_layout, cache_layout, inductor options) for the engine (conv_layout None: the precision's).
+VARIANTS: dict[str, tuple[str | None, str, dict[str, Any]]] = {
+    "default": (None, "channels-first", {}),
+    "max-autotune": (None, "channels-first", {"max_autotune": True}),
+    "channels-first": ("channels-first", "channels-first", {}),
+    "channels-last": ("channels-last", "channels-first", {}),
+    "channels-last-caches": ("channels-last", "channels-last", {}),
+    # Inductor's N-D tiling of pointwise kernels: the fused Snake + concatenation kernels of the channels-last step
+    # read and write along different axes (channels innermost on one side), which one flat index reads uncoalesced.
+    "channels-last-nd-tiling": ("channels-last", "channels-first",
+                                {"triton.prefer_nd_tiling": True, "triton.max_tiles": 3}),
+}
 
 
 def family(kernel: str) -> str:
@@ -175,8 +184,11 @@ def main() -> None:
             if args.budget_s is not None and time.perf_counter() - started > args.budget_s:
                 result["runs"][f"{precision}/{variant}"] = {"skipped": "over --budget-s"}
                 continue
-            inductor_config.max_autotune = variant == "max-autotune"
-            layout, caches = VARIANT_LAYOUTS.get(variant, (None, "channels-first"))
+            if variant not in VARIANTS:
+                raise SystemExit(f"unknown variant {variant!r}: one of {', '.join(VARIANTS)}")
+            layout, caches, options = VARIANTS[variant]
+            patch = inductor_config.patch(options)  # read when the step compiles (its first call, below)
+            patch.__enter__()
             backend = CompiledBackend(manifest, constants, device=args.device, precision=precision,
                                       step_sizes=tuple(frame_sizes), batch_sizes=tuple(batches),
                                       slots=max(batches) + 8, conv_layout=layout, cache_layout=caches)
@@ -194,6 +206,7 @@ def main() -> None:
                             "kernel_ms", "wall_ms_median", "kernel_ms_per_stream_step", "vs_default")
                             if k in row}), json.dumps(row["by_family"]), "f0", run[shape]["f0"]["kernel_ms"],
                               flush=True)
+            patch.__exit__(None, None, None)
             result["runs"][f"{precision}/{variant}"] = run
             del backend
             if cuda:
