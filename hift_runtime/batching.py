@@ -14,7 +14,9 @@ An application whose streams are tasks of one event loop can let that loop's thr
 (:meth:`PushScheduler.attach_loop`): one thread fewer trading the GIL at every NumPy call.
 
 A lone push never waits. When the device is idle, a group smaller than ``max_batch`` waits at most ``max_wait_s``, and
-only while streams are inside a push but not yet handed over (they may join).
+only while streams are inside a push but not yet handed over (they may join). A quiet lone push (nothing else in hand,
+nothing settled in the 20 ms before it arrived) over a backend whose calls are short runs its calls in the
+scheduling thread itself, without the device thread's hand-offs (``inline_lone_calls``).
 
 Isolation: a stream's chunk is validated in its own thread before it is handed over, so a bad chunk is refused for
 that stream only; an error inside a batched call is raised in every push of that call and no other (their streams'
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import math
 import threading
 import time
 import weakref
@@ -68,6 +71,7 @@ class _Push:
     call: StepCall | None = None
     call_ready_at: float = 0.0  # when its current call became ready (the partner wait counts from here)
     wrote_caches: bool = False  # a call of it that writes device caches in place has run: it cannot be undone
+    quiet: bool = False  # it arrived alone, after the scheduler had been empty a while (inline_quiet_s)
     cancelled: bool = False
     settled: bool = False  # set once, by _finish under the scheduler's lock
     # A thread waiting for it (run()); asyncio pushes are told through on_done instead, and an Event each (a lock,
@@ -129,12 +133,17 @@ class PushScheduler:
         self.backend, self.max_batch, self.max_wait_s = backend, max_batch, max_wait_s
         # The smallest group queued behind a call on the device (see _launch_due): a quarter of a full batch.
         self.queue_behind = max(1, max_batch // 4)
-        # An experiment (off; benchmarks/lone_push.py times it as its *_inline arms): a lone push's calls made in the
-        # scheduling thread itself when it is the only push in hand and the device is idle, skipping the device
-        # thread's two hand-offs a call (on the H200 a paced lone push spent 0.55-0.98 ms in hand-offs). Only over a
-        # backend whose calls may come from any thread (calls_from_any_thread: the compiled engine, which locks its
-        # own calls).
-        self.inline_lone_calls = False
+        # A lone push's calls made in the scheduling thread itself (the scheduler's or the event loop's) when it is
+        # the only push in hand, the device is idle and the push arrived quiet (nothing settled in the
+        # inline_quiet_s before it): no device-thread hand-offs, two a call (on the H200 a push of a lone stream at
+        # real-time pace took 3.11 -> 2.61 ms in fp16, 3.78 -> 3.08 in tf32 loop-driven; benchmarks/lone_push.py).
+        # Quiet only: under load a call made here would hold the thread that takes in and groups the next pushes.
+        # Only over a backend whose calls may come from any thread (calls_from_any_thread: the compiled engine, which
+        # locks its own calls); on by default where the backend says its calls are short (the compiled engine's
+        # CUDA graphs: a replay and its wait).
+        self.inline_lone_calls = bool(getattr(backend, "inline_lone_calls_by_default", False))
+        self.inline_quiet_s = 0.02
+        self._last_settled_at = -math.inf
         self.pushes_in_progress = pushes_in_progress or (lambda: 0)
         self.stats = BatchStats()
         self._arrivals: list[_Push] = []
@@ -169,6 +178,7 @@ class PushScheduler:
                     raise SchedulerClosed("the event loop driving the vocoder's scheduler closed with pushes in "
                                           "it; close the vocoder and open a new one")
                 self._detach()  # nothing was left in it: a scheduler thread takes over
+            push.quiet = not self._handed_over and push.handed_over_at - self._last_settled_at >= self.inline_quiet_s
             self._arrivals.append(push)
             self._handed_over.add(push)
             self._wake()
@@ -447,8 +457,8 @@ class PushScheduler:
 
     def _launch_if_due(self, ready: list[_Push], min_group: int = 1, inline: bool = False) -> _Flight | None:
         """The next batched call, unless nothing is ready, its group is smaller than ``min_group`` or still waits for
-        partners (the loop then waits, at most until the partner wait is over). ``inline``: a call of one push runs
-        here, in the scheduling thread, and comes back landed (see ``inline_lone_calls``)."""
+        partners (the loop then waits, at most until the partner wait is over). ``inline``: a call of one quiet push
+        runs here, in the scheduling thread, and comes back landed (see ``inline_lone_calls``)."""
         if not ready:
             return None
         group = self._group_of(ready)  # computed once: it is sorted over every ready push
@@ -460,7 +470,7 @@ class PushScheduler:
         calls = [p.call for p in group]
         for p in group:
             p.wrote_caches |= p.call.writes_caches  # type: ignore[union-attr]
-        if inline and len(group) == 1:
+        if inline and len(group) == 1 and group[0].quiet:
             future: concurrent.futures.Future[tuple[list[Any], float]] = concurrent.futures.Future()
             try:
                 future.set_result(self._timed_call(calls))
@@ -535,6 +545,7 @@ class PushScheduler:
             if push.settled:
                 return
             self._handed_over.discard(push)
+            self._last_settled_at = time.monotonic()
             push.settled = True
             if push.waiter is not None:
                 push.waiter.set()

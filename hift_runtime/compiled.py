@@ -247,6 +247,9 @@ class CompiledBackend:
         self.on_cuda = self.device.type == "cuda"
         self.compiled = self.on_cuda if compile is None else compile
         self.cuda_graphs = cuda_graphs and self.on_cuda
+        # A call is a graph replay and its wait (0.2-2 ms): short enough for a quiet lone push's calls to be made in
+        # the scheduling thread (PushScheduler.inline_lone_calls); an eager call on the CPU is not.
+        self.inline_lone_calls_by_default = self.cuda_graphs
         self.step_sizes = step_sizes if self.on_cuda else None
         self.f0_step_sizes = F0_STEP_SIZES if self.on_cuda and step_sizes else None
         self.batch_sizes = tuple(sorted(set(batch_sizes))) if self.on_cuda else (1,)

@@ -377,15 +377,16 @@ def test_workers_start_with_a_python_even_inside_an_embedding_process(monkeypatc
 
 
 def test_inline_lone_calls_run_in_the_scheduling_thread_and_change_no_audio(small_artifacts, ort_cpu):
-    """The scheduler's inline_lone_calls experiment over the compiled engine: a lone push's calls run in the
-    scheduling thread (the scheduler's own, or the event loop's); every stream equals the ORT engine's, alone and
-    concurrent, threaded and loop-driven."""
+    """The scheduler's inline_lone_calls over the compiled engine: a quiet lone push's calls run in the scheduling
+    thread (the scheduler's own, or the event loop's); every stream equals the ORT engine's, alone and concurrent,
+    threaded and loop-driven. (Quiet from the first push on: inline_quiet_s 0, so back-to-back pushes inline too.)"""
     import asyncio
     import threading
 
     vocoder = open_vocoder(small_artifacts.out, device="cpu", engine="compiled", batching=True, max_wait_ms=5)
     scheduler, backend = vocoder.scheduler, vocoder.backend
-    scheduler.inline_lone_calls = True
+    assert not scheduler.inline_lone_calls  # off by default on the CPU (its eager calls are long)
+    scheduler.inline_lone_calls, scheduler.inline_quiet_s = True, 0.0
     threads: list[str] = []
     step = backend.generator_step
 
@@ -418,3 +419,42 @@ def test_inline_lone_calls_run_in_the_scheduling_thread_and_change_no_audio(smal
     finally:
         vocoder.close()
     assert backend.slots_in_use == 0
+
+
+def test_only_quiet_lone_pushes_are_inlined(small_artifacts):
+    """Under load a call made in the scheduling thread would hold up the pushes arriving behind it: a push is
+    inlined only if it arrived alone and nothing settled in the inline_quiet_s before it. Back to back, a stream's
+    first push is quiet and its next ones are not; the default is the backend's (on for CUDA graphs)."""
+    import threading
+
+    from hift_runtime.batching import PushScheduler
+
+    vocoder = open_vocoder(small_artifacts.out, device="cpu", engine="compiled", batching=True)
+    scheduler, backend = vocoder.scheduler, vocoder.backend
+    scheduler.inline_lone_calls, scheduler.inline_quiet_s = True, 60.0
+    threads: list[str] = []
+    step = backend.generator_step
+
+    def recorded(*args):
+        threads.append(threading.current_thread().name)
+        return step(*args)
+
+    backend.generator_step = recorded
+    try:
+        stream = vocoder.stream()
+        mel = random_mel(72, seed=5)
+        for k in range(0, 72, 24):
+            stream.push(mel[:, k:k + 24])
+        stream.close()
+    finally:
+        vocoder.close()
+    assert threads[0] == "hift-scheduler" and all(t.startswith("hift-batch-call") for t in threads[1:]), threads
+
+    class ShortCalls:
+        inline_lone_calls_by_default = True
+
+    with_default = PushScheduler(ShortCalls())  # type: ignore[arg-type]
+    try:
+        assert with_default.inline_lone_calls
+    finally:
+        with_default.close()
