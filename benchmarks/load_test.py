@@ -444,8 +444,9 @@ def main() -> None:
                    help="the compiled engine's convolution layout (CudaOptions.conv_layout; default: the precision's)")
     p.add_argument("--cache-layout", choices=["channels-first", "channels-last"], default=None,
                    help="the compiled engine's cache rows (CudaOptions.cache_layout; default: channels-first)")
-    p.add_argument("--inline-lone-calls", action="store_true",
-                   help="the scheduler's inline_lone_calls on (in process: a lone push's calls in the scheduling thread)")
+    p.add_argument("--inline-lone-calls", choices=["on", "off"], default=None,
+                   help="the scheduler's inline_lone_calls (in process: a quiet lone push's calls in the scheduling "
+                        "thread; default: the engine's, on for the compiled engine's CUDA graphs)")
     p.add_argument("--max-streams", type=int, default=None,
                    help="open streams at most (in-process configs and hift-serve --max-streams): a ramp past it shows "
                         "new streams refused with the overload message while the open ones keep real time")
@@ -543,7 +544,7 @@ def main() -> None:
             vocoder.warmup(progress=lambda msg: print(name, msg, flush=True))
         ready_s = round(time.perf_counter() - t0, 1)  # opened and warmed up: the start-up (no parity check in it)
         if args.inline_lone_calls and getattr(vocoder, "scheduler", None) is not None:
-            vocoder.scheduler.inline_lone_calls = True
+            vocoder.scheduler.inline_lone_calls = args.inline_lone_calls == "on"
         parity = None if name == "served" or name.startswith("modelled") else parity_vs_cpu(vocoder, args.artifacts)
         print(name, "largest difference from the CPU EP's offline pass:", parity, flush=True)
         if args.max_streams and name != "served":
@@ -569,7 +570,8 @@ def main() -> None:
         rows_of: dict[tuple[float | None, int | None, str], list[dict[str, Any]]] = {v: [] for v in keys}
         for (ms, qb, driver), key in keys.items():
             result["configs"][key] = {"open_and_warmup_s": ready_s,
-                                      "inline_lone_calls": bool(args.inline_lone_calls),
+                                      "inline_lone_calls": getattr(getattr(vocoder, "scheduler", None),
+                                                                   "inline_lone_calls", None),
                                       "warm_stream_s": warm_stream_s, "parity_max_abs_vs_cpu": parity,
                                       "switch_interval_ms": ms, "queue_behind": qb,
                                       "loop_scheduler": driver == "loop",  # asyncio clients, in process

@@ -17,8 +17,9 @@ and captured, so the warmup is two compiles. Medians and p95 in ms, each over ``
   both calls in the caller's thread);
 * ``push_thread``: the same through the scheduler thread (the runtime's default);
 * ``apush_loop``: ``await stream.apush`` with the scheduler driven by the event loop (``--scheduler loop``);
-* ``*_inline``: the same with the scheduler's ``inline_lone_calls`` on (an experiment: a lone push's calls made in
-  the scheduling thread, without the device thread's hand-offs);
+* ``*_inline``: the same with the scheduler's ``inline_lone_calls`` on (a quiet lone push's calls made in the
+  scheduling thread, without the device thread's hand-offs; the engine's default on CUDA), the others with it off.
+  Back to back, a push is not quiet (the one before settled just now): those arms set ``inline_quiet_s`` to 0;
 * ``*_paced``: the same at real-time pace (a push every 480 ms, as a live stream pushes), where the GPU idles between
   pushes (clocks down, caches cold).
 
@@ -136,11 +137,17 @@ def main() -> None:
     vocoder.scheduler = None
     rows["push_direct"], rows["push_direct_paced"] = push_arm(False), push_arm(True)
     vocoder.scheduler = scheduler
-    for inline in (False, True):
-        scheduler.inline_lone_calls = inline
+    default_inline, default_quiet_s = scheduler.inline_lone_calls, scheduler.inline_quiet_s
+
+    def inline_arms(inline: bool) -> None:
+        scheduler.inline_lone_calls, scheduler.inline_quiet_s = inline, 0.0  # back to back: every push inlined
         name = "push_thread" + ("_inline" if inline else "")
-        rows[name], rows[name + "_paced"] = push_arm(False), push_arm(True)
-    scheduler.inline_lone_calls = False
+        rows[name] = push_arm(False)
+        scheduler.inline_quiet_s = default_quiet_s  # paced: quiet as a real-time stream's pushes are
+        rows[name + "_paced"] = push_arm(True)
+
+    for inline in (False, True):
+        inline_arms(inline)
 
     async def loop_arm(runs: int, pace_s: float) -> dict[str, float]:
         scheduler.attach_loop(asyncio.get_running_loop())
@@ -161,11 +168,12 @@ def main() -> None:
             scheduler.detach_loop()
 
     for inline in (False, True):
-        scheduler.inline_lone_calls = inline
+        scheduler.inline_lone_calls, scheduler.inline_quiet_s = inline, 0.0
         name = "apush_loop" + ("_inline" if inline else "")
         rows[name] = asyncio.run(loop_arm(args.pushes, 0.0))
+        scheduler.inline_quiet_s = default_quiet_s
         rows[name + "_paced"] = asyncio.run(loop_arm(args.paced, pace))
-    scheduler.inline_lone_calls = False
+    scheduler.inline_lone_calls = default_inline
     parity = None
     if args.parity_seconds:
         from hift_runtime.metrics import log_spectral_distance_db, max_abs, snr_db
