@@ -376,6 +376,21 @@ def test_workers_start_with_a_python_even_inside_an_embedding_process(monkeypatc
     assert os.path.basename(found).startswith("python") and os.access(found, os.X_OK)
 
 
+def generator_call_threads(backend) -> list[str]:
+    """The names of the threads that make ``backend``'s generator calls from now on, in order (appended as they come)."""
+    import threading
+
+    threads: list[str] = []
+    step = backend.generator_step
+
+    def recorded(*args):
+        threads.append(threading.current_thread().name)
+        return step(*args)
+
+    backend.generator_step = recorded
+    return threads
+
+
 def test_inline_lone_calls_run_in_the_scheduling_thread_and_change_no_audio(small_artifacts, ort_cpu):
     """The scheduler's inline_lone_calls over the compiled engine: a quiet lone push's calls run in the scheduling
     thread (the scheduler's own, or the event loop's); every stream equals the ORT engine's, alone and concurrent,
@@ -387,14 +402,7 @@ def test_inline_lone_calls_run_in_the_scheduling_thread_and_change_no_audio(smal
     scheduler, backend = vocoder.scheduler, vocoder.backend
     assert not scheduler.inline_lone_calls  # off by default on the CPU (its eager calls are long)
     scheduler.inline_lone_calls, scheduler.inline_quiet_s = True, 0.0
-    threads: list[str] = []
-    step = backend.generator_step
-
-    def recorded(*args):
-        threads.append(threading.current_thread().name)
-        return step(*args)
-
-    backend.generator_step = recorded
+    threads = generator_call_threads(backend)
     mels = [random_mel(90, seed=80 + i) for i in range(5)]
     want = [streamed(ort_cpu, m, [24] * 3 + [500]) for m in mels]
     try:
@@ -425,21 +433,12 @@ def test_only_quiet_lone_pushes_are_inlined(small_artifacts):
     """Under load a call made in the scheduling thread would hold up the pushes arriving behind it: a push is
     inlined only if it arrived alone and nothing settled in the inline_quiet_s before it. Back to back, a stream's
     first push is quiet and its next ones are not; the default is the backend's (on for CUDA graphs)."""
-    import threading
-
     from hift_runtime.batching import PushScheduler
 
     vocoder = open_vocoder(small_artifacts.out, device="cpu", engine="compiled", batching=True)
     scheduler, backend = vocoder.scheduler, vocoder.backend
     scheduler.inline_lone_calls, scheduler.inline_quiet_s = True, 60.0
-    threads: list[str] = []
-    step = backend.generator_step
-
-    def recorded(*args):
-        threads.append(threading.current_thread().name)
-        return step(*args)
-
-    backend.generator_step = recorded
+    threads = generator_call_threads(backend)
     try:
         stream = vocoder.stream()
         mel = random_mel(72, seed=5)
