@@ -332,10 +332,12 @@ def compiled_gpu(small_artifacts):
 @pytest.mark.skipif(not _torch_cuda(), reason="no CUDA device for torch here")
 def test_compiled_streams_match_the_cpu_ep(small_artifacts, compiled_gpu):
     """The compiled engine (torch.compile, CUDA graphs, device slot pool) at fp32: each stream equals the CPU EP's
-    stream within the ORT CUDA EP's bar, and 64 concurrent streams each equal their solo run on the engine."""
+    stream within the ORT CUDA EP's bar, and 64 concurrent streams each equal their solo run on the engine (the solo
+    runs' quiet pushes made in the scheduling thread: inline_lone_calls is on over CUDA graphs)."""
     from hift_runtime.compiled import compile_count
 
     assert compiled_gpu.backend.name == "compiled[cuda:fp32]"
+    assert compiled_gpu.scheduler.inline_lone_calls
     cpu = open_vocoder(small_artifacts.out, device="cpu")
     rng = np.random.default_rng(64)
     mels = [random_mel(int(rng.integers(10, 160)), seed=i) for i in range(64)]
