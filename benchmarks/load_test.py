@@ -568,6 +568,7 @@ def main() -> None:
         # A served config schedules inside its servers (hift-serve's scheduler thread): no loop-driven variant.
         keys = {v: key_of(*v) for v in variants if name != "served" or v[2] == "thread"}
         rows_of: dict[tuple[float | None, int | None, str], list[dict[str, Any]]] = {v: [] for v in keys}
+        backend = getattr(vocoder, "backend", None)
         for (ms, qb, driver), key in keys.items():
             result["configs"][key] = {"open_and_warmup_s": ready_s,
                                       "inline_lone_calls": getattr(getattr(vocoder, "scheduler", None),
@@ -575,16 +576,14 @@ def main() -> None:
                                       "warm_stream_s": warm_stream_s, "parity_max_abs_vs_cpu": parity,
                                       "switch_interval_ms": ms, "queue_behind": qb,
                                       "loop_scheduler": driver == "loop",  # asyncio clients, in process
-                                      "conv_layout": getattr(getattr(vocoder, "backend", None), "conv_layout", None),
-                                      "cache_layout": getattr(getattr(vocoder, "backend", None), "cache_layout",
-                                                              None),
+                                      "conv_layout": getattr(backend, "conv_layout", None),
+                                      "cache_layout": getattr(backend, "cache_layout", None),
                                       "engine": (f"hift-serve --frontend {args.served_frontend} --engine {args.engine} --precision {args.precision}"
                                                  + (f" x {args.served_processes} processes" if args.served_processes > 1 else "")
                                                  if name == "served" else
-                                                 getattr(getattr(vocoder, "backend", None), "name", name)),
+                                                 getattr(backend, "name", name)),
                                       "gpu_memory_after_warmup_mb": gpu_memory_mb(), "runs": rows_of[(ms, qb, driver)],
-                                      "warmup_seconds_by_shape": getattr(getattr(vocoder, "backend", None),
-                                                                         "warmup_seconds", None)}
+                                      "warmup_seconds_by_shape": getattr(backend, "warmup_seconds", None)}
         try:
             for k in ks:
                 ended = 0

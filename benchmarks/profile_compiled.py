@@ -187,14 +187,13 @@ def main() -> None:
             if variant not in VARIANTS:
                 raise SystemExit(f"unknown variant {variant!r}: one of {', '.join(VARIANTS)}")
             layout, caches, options = VARIANTS[variant]
-            patch = inductor_config.patch(options)  # read when the step compiles (its first call, below)
-            patch.__enter__()
             backend = CompiledBackend(manifest, constants, device=args.device, precision=precision,
                                       step_sizes=tuple(frame_sizes), batch_sizes=tuple(batches),
                                       slots=max(batches) + 8, conv_layout=layout, cache_layout=caches)
             backend.use_noise_table(noise)
             run: dict[str, Any] = {"conv_layout": backend.conv_layout, "cache_layout": backend.cache_layout}
-            with backend._precision():
+            # The variant's inductor options are read when the step compiles: its first call, in this block.
+            with inductor_config.patch(options), backend._precision():
                 for frames in frame_sizes:
                     run[f"compile_s_{frames}"] = round(backend.compile_shape("generator", frames), 1)
                     for batch in batches:
@@ -206,7 +205,6 @@ def main() -> None:
                             "kernel_ms", "wall_ms_median", "kernel_ms_per_stream_step", "vs_default")
                             if k in row}), json.dumps(row["by_family"]), "f0", run[shape]["f0"]["kernel_ms"],
                               flush=True)
-            patch.__exit__(None, None, None)
             result["runs"][f"{precision}/{variant}"] = run
             del backend
             if cuda:
