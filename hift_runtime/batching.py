@@ -237,7 +237,8 @@ class PushScheduler:
     def run(self, steps: Generator[StepCall, Any, np.ndarray], cancel: CancelToken | None = None) -> np.ndarray:
         """Run one push to its end (from the stream's thread); its result, or its error raised here. Interrupted
         (KeyboardInterrupt) or cancelled, the push is cancelled and this returns only once it has settled."""
-        if self._driver is not None and threading.get_ident() == self._driver_thread:
+        driver = self._driver
+        if driver is not None and threading.get_ident() == self._driver_thread and not driver.is_closed():
             steps.close()
             raise RuntimeError("push()/finish() in the event loop that drives the scheduler would block it; use "
                                "apush()/afinish()")
@@ -344,8 +345,9 @@ class PushScheduler:
                 return
 
     def _kick(self) -> None:
-        """A :meth:`_tick` soon, on the driving loop (from its thread)."""
-        if self._driver is not None and not self._kicked:
+        """A :meth:`_tick` soon, on the driving loop (from its thread; nothing once that loop is closed: close() and
+        _submit() deal with what it left)."""
+        if self._driver is not None and not self._kicked and not self._driver.is_closed():
             self._kicked = True
             self._driver.call_soon(self._tick)
 

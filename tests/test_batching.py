@@ -219,6 +219,26 @@ def test_closing_a_loop_driven_scheduler_fails_its_waiting_pushes(small_artifact
     assert any(isinstance(o, SchedulerClosed) for o in outcomes)
 
 
+def test_a_vocoder_outlives_the_event_loop_that_drove_its_scheduler(small_artifacts, alone):
+    """asyncio.run() over, its loop closed without detach_loop(): close() still closes (it raised "Event loop is
+    closed" from the loop's own thread), and before that a push from a thread is scheduled by a thread again."""
+    mel = random_mel(60, seed=95)
+    for push_after in (False, True):
+        batched = open_vocoder(small_artifacts.out, device="cpu", batching=True, max_wait_ms=5)
+
+        async def main():
+            batched.scheduler.attach_loop(asyncio.get_running_loop())
+            stream = batched.stream()
+            return np.concatenate([await stream.apush(mel[:, :30]), await stream.afinish(mel[:, 30:])])
+
+        assert max_abs(asyncio.run(main()), run_stream(alone, mel, [30, 30])) <= 1e-6
+        if push_after:
+            assert max_abs(run_stream(batched, mel, [30, 30]), run_stream(alone, mel, [30, 30])) <= 1e-6
+        batched.close()
+        with pytest.raises(SchedulerClosed):
+            run_stream(batched, mel, [30, 30])
+
+
 def test_an_overlapping_async_call_on_one_stream_is_refused(small_artifacts, alone):
     batched = open_vocoder(small_artifacts.out, device="cpu", batching=True, max_wait_ms=5)
     mel = random_mel(60, seed=70)
