@@ -444,6 +444,9 @@ def main() -> None:
                    help="the compiled engine's convolution layout (CudaOptions.conv_layout; default: the precision's)")
     p.add_argument("--cache-layout", choices=["channels-first", "channels-last"], default=None,
                    help="the compiled engine's cache rows (CudaOptions.cache_layout; default: channels-first)")
+    p.add_argument("--short-step-batches", default=None,
+                   help="the compiled engine's batch sizes for its shorter and final steps, comma-separated, or 'all' "
+                        "(CudaOptions.short_step_batch_sizes; default: the engine's)")
     p.add_argument("--inline-lone-calls", choices=["on", "off"], default=None,
                    help="the scheduler's inline_lone_calls (in process: a quiet lone push's calls in the scheduling "
                         "thread; default: the engine's, on for the compiled engine's CUDA graphs)")
@@ -509,9 +512,10 @@ def main() -> None:
     # Each K runs under every (switch interval, queue_behind, scheduler) variant, one after the other, on the same
     # open vocoder.
     variants = [(ms, qb, d) for ms in intervals_ms for qb in queue_behinds for d in drivers]
-    if (args.conv_layout or args.cache_layout) and (args.engine != "compiled" or "served" in args.configs):
-        p.error("--conv-layout and --cache-layout are for the compiled engine in process (hift-serve runs the "
-                "precision's layouts)")
+    if (args.conv_layout or args.cache_layout or args.short_step_batches) and \
+            (args.engine != "compiled" or "served" in args.configs):
+        p.error("--conv-layout, --cache-layout and --short-step-batches are for the compiled engine in process "
+                "(hift-serve runs the engine's defaults)")
     for name in args.configs.split(","):
         t0 = time.perf_counter()
         if name == "served":
@@ -538,6 +542,9 @@ def main() -> None:
             if engine == "compiled":
                 cuda = dataclasses.replace(cuda, conv_layout=args.conv_layout,
                                            cache_layout=args.cache_layout or "channels-first")
+                if args.short_step_batches:
+                    cuda = dataclasses.replace(cuda, short_step_batch_sizes=None if args.short_step_batches == "all"
+                                               else tuple(int(b) for b in args.short_step_batches.split(",")))
             precision = args.precision if engine == "compiled" else ("tf32" if cuda.use_tf32 else args.precision)
             vocoder = open_vocoder(args.artifacts, device=args.device, cuda=cuda, batching=options[1], engine=engine,
                                    precision=precision, devices=args.gpus)
@@ -578,6 +585,7 @@ def main() -> None:
                                       "loop_scheduler": driver == "loop",  # asyncio clients, in process
                                       "conv_layout": getattr(backend, "conv_layout", None),
                                       "cache_layout": getattr(backend, "cache_layout", None),
+                                      "short_step_batch_sizes": getattr(backend, "short_step_batch_sizes", None),
                                       "engine": (f"hift-serve --frontend {args.served_frontend} --engine {args.engine} --precision {args.precision}"
                                                  + (f" x {args.served_processes} processes" if args.served_processes > 1 else "")
                                                  if name == "served" else

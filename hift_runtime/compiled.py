@@ -11,7 +11,8 @@ fused into Triton kernels, cuDNN convolutions), behind the same bookkeeping and 
   noise per stream-step crosses the bus).
 * **CUDA graphs**: at :meth:`warmup`, every (step size, batch size) of the stream step, the 4-frame final step and
   the F0 step (every size up to 24 frames: one F0 call a push) is compiled (one dynamic-batch compile serves all
-  sizes; the F0 step runs eagerly), run, and captured;
+  sizes; the F0 step runs eagerly), run, and captured (the shorter steps and the final step, which a stream meets
+  only at its start and end, at fewer batch sizes: ``short_step_batch_sizes``);
   each graph copies its inputs in from pinned host buffers and its audio and phase out to them (one set per step
   shape, shared by its batch sizes: < 100 MB pinned at full size), so a call is the host's writes into the buffers,
   one replay and one wait.
@@ -42,7 +43,7 @@ import torch
 from .arrays import byte_view, copy_rows
 from .manifest import FOLDED_WEIGHTS, ArtifactError, Manifest
 from .noise import NoiseTable
-from .sessions import OFFLINE_SLOTS, PRECISIONS
+from .sessions import OFFLINE_SLOTS, PRECISIONS, SHORT_STEP_BATCH_SIZES
 from .slots import SlotRows
 from .streaming import StreamConstants
 
@@ -215,7 +216,8 @@ class CompiledBackend:
     (``"channels-last"``: each cache time-major, for channels-last convolutions; on the H200 0.6 % off the fp16 step
     and 2.3 % off tf32 channels-last at B = 256, none at B = 2: off by default). ``compile_processes``: a first :meth:`warmup` (no marker of a warm
     cache, :mod:`~hift_runtime.compile_workers`) compiles its step graphs in this many processes side by side (1: in
-    turn, in this process).
+    turn, in this process). ``short_step_batch_sizes``: the batch sizes captured for the shorter step sizes and the
+    final step (those of ``batch_sizes`` in it, and the largest; None: all of ``batch_sizes``).
     """
 
     caches_in_place = True
@@ -227,7 +229,8 @@ class CompiledBackend:
                  precision: str = DEFAULT_PRECISION, compile: bool | None = None, cuda_graphs: bool = True,
                  step_sizes: tuple[int, ...] | None = STEP_SIZES, batch_sizes: tuple[int, ...] = BATCH_SIZES,
                  slots: int = 2048, conv_layout: str | None = None, compile_processes: int = 5,
-                 cache_layout: str = "channels-first") -> None:
+                 cache_layout: str = "channels-first",
+                 short_step_batch_sizes: tuple[int, ...] | None = SHORT_STEP_BATCH_SIZES) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         conv_layout = DEFAULT_CONV_LAYOUT[precision] if conv_layout is None else conv_layout
@@ -254,6 +257,11 @@ class CompiledBackend:
         self.step_sizes = step_sizes if self.on_cuda else None
         self.f0_step_sizes = F0_STEP_SIZES if self.on_cuda and step_sizes else None
         self.batch_sizes = tuple(sorted(set(batch_sizes))) if self.on_cuda else (1,)
+        short = self.batch_sizes if short_step_batch_sizes is None else short_step_batch_sizes
+        self.short_step_batch_sizes = tuple(sorted({b for b in self.batch_sizes if b in short} |
+                                                   {self.batch_sizes[-1]}))
+        # Each captured step shape's batch sizes ((kind, frames) -> ladder), set by warmup.
+        self._ladders: dict[tuple[str, int], tuple[int, ...]] = {}
         self.name = f"compiled[{self.device.type}:{precision}]" if self.compiled else f"torch[{self.device.type}]"
         self.generator, self.predictor = load_folded(manifest, self.device)
         if conv_layout == "channels-last":
@@ -397,8 +405,9 @@ class CompiledBackend:
         finally:
             torch.backends.cuda.matmul.allow_tf32 = matmul
 
-    def _batch(self, rows: int) -> int:
-        return next((b for b in self.batch_sizes if b >= rows), rows)
+    def _batch(self, rows: int, kind: str = "f0", size: int = 0) -> int:
+        """The captured batch size a call of ``rows`` streams of step ``kind`` x ``size`` runs at (padded)."""
+        return next((b for b in self._ladders.get((kind, size), self.batch_sizes) if b >= rows), rows)
 
 
     def f0_step(self, mel: np.ndarray, caches: Any) -> tuple[np.ndarray, Any]:
@@ -426,7 +435,8 @@ class CompiledBackend:
                   np.array([s.index for s in slots], np.int64)]
         size = f0.shape[1] - (0 if final else self.constants.source_look_ahead)
         with self._lock, self._precision():
-            graph = self._graphs.get(("final" if final else "generator", size, self._batch(rows)))
+            kind = "final" if final else "generator"
+            graph = self._graphs.get((kind, size, self._batch(rows, kind, size)))
             if graph is not None:
                 audio, phase = graph.run(values, rows)
             else:
@@ -437,23 +447,17 @@ class CompiledBackend:
 
     # ---- warmup: compile and capture every shape a stream meets ------------------------------------------------------
     def warmup(self, step_sizes: tuple[int, ...] | None, progress: Callable[[str], None] | None = None) -> None:
-        """Compile and capture (CUDA): every step size x batch size of the stream and F0 steps, the final steps. A
-        no-op on the CPU without compile."""
-
+        """Compile and capture (CUDA) every shape of :meth:`_capture_plan`. A no-op on the CPU without compile."""
         if not self.on_cuda or not step_sizes:
             return
         say = progress or (lambda msg: log.info("hift_runtime: %s", msg))
         started = time.perf_counter()
-        c = self.constants
         marker = None
         if self.compiled and self.compile_processes > 1:
             from .compile_workers import precompile
 
             marker = precompile(self, step_sizes, say)
-        f0_sizes = self.f0_step_sizes or step_sizes
-        shapes = [("generator", size, batch) for batch in self.batch_sizes for size in step_sizes]
-        shapes += [("final", c.mel_look_ahead, batch) for batch in self.batch_sizes]
-        shapes += [("f0", size, batch) for batch in self.batch_sizes for size in f0_sizes]
+        shapes = self._capture_plan(step_sizes)
         with self._lock, self._precision():
             for i, (kind, size, batch) in enumerate(shapes):
                 if (kind, size, batch) in self._graphs:
@@ -478,6 +482,18 @@ class CompiledBackend:
             except OSError as exc:  # a read-only cache: every start compiles side by side again
                 say(f"warmup: cannot mark inductor's cache as warm ({exc})")
         say(warmup_summary(self.warmup_seconds))
+
+    def _capture_plan(self, step_sizes: tuple[int, ...]) -> list[tuple[str, int, int]]:
+        """Every ``(kind, frames, batch)`` :meth:`warmup` captures, compiles first (the smallest batch of each
+        step); sets each step shape's batch sizes (what :meth:`_batch` pads a call to): all of them for the largest
+        stream step and the F0 step, ``short_step_batch_sizes`` for the shorter steps and the final step."""
+        ladders = {("generator", size): self.short_step_batch_sizes for size in step_sizes}
+        ladders[("generator", max(step_sizes))] = self.batch_sizes
+        ladders[("final", self.constants.mel_look_ahead)] = self.short_step_batch_sizes
+        ladders.update({("f0", size): self.batch_sizes for size in self.f0_step_sizes or step_sizes})
+        self._ladders = ladders
+        return [(kind, size, batch) for group in ("generator", "final", "f0") for batch in self.batch_sizes
+                for (kind, size), ladder in ladders.items() if kind == group and batch in ladder]
 
     def compile_shape(self, kind: str, size: int) -> float:
         """Compile the step ``kind`` of ``size`` frames as :meth:`warmup` compiles it (the same inputs, at the

@@ -32,6 +32,10 @@ CACHE_PREFIX, NEXT_PREFIX = "cache.", "next."
 # ONNX Runtime's own warnings (e.g. "No registered plugin EP device found" for every CUDA session) are not the
 # user's concern; errors still surface as exceptions.
 ort.set_default_logger_severity(3)
+# The compiled engine's batch sizes for its shorter steps and its final step (a stream's first push is 8 + 8 + 4
+# frames, its last a final step): every 4x rather than every ~1.5x. Each capture costs ~1 s of warmup (cuDNN times the
+# step's convolutions at each batch size: ~60 s of a ~100 s warm start on the H200); these batches are small and rare.
+SHORT_STEP_BATCH_SIZES = (2, 8, 32, 128, 256)
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,10 @@ class CudaOptions:
     # The compiled engine's first warmup compiles its five step graphs in this many processes side by side (on the
     # H200 a cold start of 240 s against ~425 s in turn); 1: in turn, in this process.
     compile_processes: int = 5
+    # The batch sizes the compiled engine captures for the steps a stream meets only at its start and its end (the
+    # shorter step sizes, the final step; the 24-frame step keeps every size); None: every size. Fewer captures, a
+    # shorter warmup (SHORT_STEP_BATCH_SIZES says by how much).
+    short_step_batch_sizes: tuple[int, ...] | None = SHORT_STEP_BATCH_SIZES
 
     def provider_options(self) -> dict[str, str]:
         return {"device_id": str(self.device_id), "use_tf32": "1" if self.use_tf32 else "0",
@@ -643,6 +651,9 @@ def open_vocoder(artifacts: str | os.PathLike[str], *, device: Device = "auto",
         if cuda.conv_layout is not None or cuda.cache_layout != "channels-first":
             raise ValueError("CudaOptions.conv_layout and cache_layout are the compiled engine's (engine='compiled'); "
                              "ONNX Runtime chooses its own layouts")
+        if cuda.short_step_batch_sizes != SHORT_STEP_BATCH_SIZES:
+            raise ValueError("CudaOptions.short_step_batch_sizes is the compiled engine's (engine='compiled'); "
+                             "ONNX Runtime captures CudaOptions.batch_sizes for every step")
         backend = OrtBackend(manifest, constants, device=device, cuda=cuda, intra_op_threads=intra_op_threads)
         on_gpu = backend.generator_provider == CUDA
     if batching is None:
@@ -691,4 +702,5 @@ def _compiled_backend(manifest: Manifest, constants: StreamConstants, device: st
     batches = tuple(b for b in COMPILED_BATCH_SIZES if b <= max(max_batch, COMPILED_BATCH_SIZES[0]))
     return CompiledBackend(manifest, constants, device=target, precision=precision, batch_sizes=batches,
                            slots=cuda.slots, conv_layout=cuda.conv_layout, cache_layout=cuda.cache_layout,
-                           compile_processes=cuda.compile_processes)
+                           compile_processes=cuda.compile_processes,
+                           short_step_batch_sizes=cuda.short_step_batch_sizes)

@@ -194,6 +194,35 @@ def test_conv_layout_is_checked(small_artifacts):
         store_channels_last(generator)
 
 
+def test_the_shorter_steps_are_captured_at_fewer_batch_sizes(compiled_cpu, small_artifacts):
+    """The warmup's plan (what a CUDA warmup captures; on the CPU nothing is, so its ladders are set by hand): the
+    largest stream step and the F0 step at every batch size, the shorter steps and the final step at the short
+    ladder and the largest size; a call pads to its own shape's ladder."""
+    from hift_runtime import CudaOptions
+    from hift_runtime.compiled import BATCH_SIZES, CompiledBackend
+
+    backend = CompiledBackend(compiled_cpu.backend.manifest, compiled_cpu.constants, device="cpu",
+                              short_step_batch_sizes=(2, 8, 32))
+    backend.batch_sizes = BATCH_SIZES
+    backend.short_step_batch_sizes = (2, 8, 32, 256)  # as the constructor makes it on CUDA: the largest added
+    backend.f0_step_sizes = (3, 2, 1)
+    plan = backend._capture_plan((24, 8, 4, 1))
+    per_shape: dict[tuple[str, int], list[int]] = {}
+    for kind, size, batch in plan:
+        per_shape.setdefault((kind, size), []).append(batch)
+    assert per_shape[("generator", 24)] == list(BATCH_SIZES)
+    assert per_shape[("f0", 2)] == list(BATCH_SIZES)
+    for shape in (("generator", 8), ("generator", 4), ("generator", 1), ("final", 4)):
+        assert per_shape[shape] == [2, 8, 32, 256]
+    assert len(plan) == 11 + 3 * 11 + 4 * 4
+    assert plan[0] == ("generator", 24, 2) and plan[-1][0] == "f0"  # the compiles first, each at its smallest batch
+    assert (backend._batch(9, "generator", 24), backend._batch(9, "generator", 8), backend._batch(9, "final", 4),
+            backend._batch(9)) == (16, 32, 32, 16)
+    assert backend._batch(33, "generator", 4) == 256
+    with pytest.raises(ValueError, match="short_step_batch_sizes is the compiled engine's"):
+        open_vocoder(small_artifacts.out, device="cpu", engine="ort", cuda=CudaOptions(short_step_batch_sizes=None))
+
+
 def test_an_export_without_folded_weights_is_refused_by_the_compiled_engine(small_artifacts, tmp_path):
     import json
     import shutil
