@@ -11,8 +11,8 @@ fused into Triton kernels, cuDNN convolutions), behind the same bookkeeping and 
   noise per stream-step crosses the bus).
 * **CUDA graphs**: at :meth:`warmup`, every (step size, batch size) of the stream step, the 4-frame final step and
   the F0 step (every size up to 24 frames: one F0 call a push) is compiled (one dynamic-batch compile serves all
-  sizes; the F0 step runs eagerly), run, and captured (the shorter steps and the final step, which a stream meets
-  only at its start and end, at fewer batch sizes: ``short_step_batch_sizes``);
+  sizes; the F0 step runs eagerly), run, and captured (optionally the shorter steps and the final step, which a
+  stream meets only at its start and end, at fewer batch sizes: ``short_step_batch_sizes``);
   each graph copies its inputs in from pinned host buffers and its audio and phase out to them (one set per step
   shape, shared by its batch sizes: < 100 MB pinned at full size), so a call is the host's writes into the buffers,
   one replay and one wait.
@@ -43,7 +43,7 @@ import torch
 from .arrays import byte_view, copy_rows
 from .manifest import FOLDED_WEIGHTS, ArtifactError, Manifest
 from .noise import NoiseTable
-from .sessions import OFFLINE_SLOTS, PRECISIONS, SHORT_STEP_BATCH_SIZES
+from .sessions import OFFLINE_SLOTS, PRECISIONS
 from .slots import SlotRows
 from .streaming import StreamConstants
 
@@ -217,7 +217,8 @@ class CompiledBackend:
     and 2.3 % off tf32 channels-last at B = 256, none at B = 2: off by default). ``compile_processes``: a first :meth:`warmup` (no marker of a warm
     cache, :mod:`~hift_runtime.compile_workers`) compiles its step graphs in this many processes side by side (1: in
     turn, in this process). ``short_step_batch_sizes``: the batch sizes captured for the shorter step sizes and the
-    final step (those of ``batch_sizes`` in it, and the largest; None: all of ``batch_sizes``).
+    final step (those of ``batch_sizes`` in it, and the largest; None, the default: all of ``batch_sizes``;
+    :data:`~hift_runtime.sessions.SHORT_STEP_BATCH_SIZES` is measured there).
     """
 
     caches_in_place = True
@@ -230,7 +231,7 @@ class CompiledBackend:
                  step_sizes: tuple[int, ...] | None = STEP_SIZES, batch_sizes: tuple[int, ...] = BATCH_SIZES,
                  slots: int = 2048, conv_layout: str | None = None, compile_processes: int = 5,
                  cache_layout: str = "channels-first",
-                 short_step_batch_sizes: tuple[int, ...] | None = SHORT_STEP_BATCH_SIZES) -> None:
+                 short_step_batch_sizes: tuple[int, ...] | None = None) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         conv_layout = DEFAULT_CONV_LAYOUT[precision] if conv_layout is None else conv_layout

@@ -32,9 +32,11 @@ CACHE_PREFIX, NEXT_PREFIX = "cache.", "next."
 # ONNX Runtime's own warnings (e.g. "No registered plugin EP device found" for every CUDA session) are not the
 # user's concern; errors still surface as exceptions.
 ort.set_default_logger_severity(3)
-# The compiled engine's batch sizes for its shorter steps and its final step (a stream's first push is 8 + 8 + 4
-# frames, its last a final step): every 4x rather than every ~1.5x. Each capture costs ~1 s of warmup (cuDNN times the
-# step's convolutions at each batch size: ~60 s of a ~100 s warm start on the H200); these batches are small and rare.
+# A shorter ladder for the compiled engine's shorter steps and final step (a stream's first push is 8 + 8 + 4
+# frames, its last a final step): every 4x rather than every ~1.5x, 24 captures fewer. Measured on the H200: the warm
+# start 87-100 s against 107-113 s, but a load's start burst (every stream's first push at once) pads those steps up
+# to 2x: the first chunks' p50 at 2 816-3 072 streams 148-310 ms against 112-176 with every size. Opt-in
+# (CudaOptions.short_step_batch_sizes), not the default.
 SHORT_STEP_BATCH_SIZES = (2, 8, 32, 128, 256)
 
 
@@ -75,9 +77,9 @@ class CudaOptions:
     # H200 a cold start of 240 s against ~425 s in turn); 1: in turn, in this process.
     compile_processes: int = 5
     # The batch sizes the compiled engine captures for the steps a stream meets only at its start and its end (the
-    # shorter step sizes, the final step; the 24-frame step keeps every size); None: every size. Fewer captures, a
-    # shorter warmup (SHORT_STEP_BATCH_SIZES says by how much).
-    short_step_batch_sizes: tuple[int, ...] | None = SHORT_STEP_BATCH_SIZES
+    # shorter step sizes, the final step; the 24-frame step keeps every size); None (the default): every size.
+    # SHORT_STEP_BATCH_SIZES: a shorter warmup, slower first chunks under load (measured there).
+    short_step_batch_sizes: tuple[int, ...] | None = None
 
     def provider_options(self) -> dict[str, str]:
         return {"device_id": str(self.device_id), "use_tf32": "1" if self.use_tf32 else "0",
@@ -651,7 +653,7 @@ def open_vocoder(artifacts: str | os.PathLike[str], *, device: Device = "auto",
         if cuda.conv_layout is not None or cuda.cache_layout != "channels-first":
             raise ValueError("CudaOptions.conv_layout and cache_layout are the compiled engine's (engine='compiled'); "
                              "ONNX Runtime chooses its own layouts")
-        if cuda.short_step_batch_sizes != SHORT_STEP_BATCH_SIZES:
+        if cuda.short_step_batch_sizes is not None:
             raise ValueError("CudaOptions.short_step_batch_sizes is the compiled engine's (engine='compiled'); "
                              "ONNX Runtime captures CudaOptions.batch_sizes for every step")
         backend = OrtBackend(manifest, constants, device=device, cuda=cuda, intra_op_threads=intra_op_threads)

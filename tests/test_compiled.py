@@ -195,11 +195,13 @@ def test_conv_layout_is_checked(small_artifacts):
 
 
 def test_the_shorter_steps_are_captured_at_fewer_batch_sizes(compiled_cpu, small_artifacts):
-    """The warmup's plan (what a CUDA warmup captures; on the CPU nothing is, so its ladders are set by hand): the
-    largest stream step and the F0 step at every batch size, the shorter steps and the final step at the short
-    ladder and the largest size; a call pads to its own shape's ladder."""
+    """The warmup's plan (what a CUDA warmup captures; on the CPU nothing is, so its ladders are set by hand): with a
+    short ladder, the largest stream step and the F0 step at every batch size, the shorter steps and the final step
+    at the short ladder and the largest size; a call pads to its own shape's ladder. By default every step at every
+    size."""
     from hift_runtime import CudaOptions
     from hift_runtime.compiled import BATCH_SIZES, CompiledBackend
+    from hift_runtime.sessions import SHORT_STEP_BATCH_SIZES
 
     backend = CompiledBackend(compiled_cpu.backend.manifest, compiled_cpu.constants, device="cpu",
                               short_step_batch_sizes=(2, 8, 32))
@@ -219,8 +221,13 @@ def test_the_shorter_steps_are_captured_at_fewer_batch_sizes(compiled_cpu, small
     assert (backend._batch(9, "generator", 24), backend._batch(9, "generator", 8), backend._batch(9, "final", 4),
             backend._batch(9)) == (16, 32, 32, 16)
     assert backend._batch(33, "generator", 4) == 256
+    default = CompiledBackend(compiled_cpu.backend.manifest, compiled_cpu.constants, device="cpu")
+    default.batch_sizes = default.short_step_batch_sizes = BATCH_SIZES  # the default: every size for every step
+    assert {batch for kind, size, batch in default._capture_plan((24, 8, 4, 1)) if kind == "final"} == \
+        set(BATCH_SIZES)
     with pytest.raises(ValueError, match="short_step_batch_sizes is the compiled engine's"):
-        open_vocoder(small_artifacts.out, device="cpu", engine="ort", cuda=CudaOptions(short_step_batch_sizes=None))
+        open_vocoder(small_artifacts.out, device="cpu", engine="ort",
+                     cuda=CudaOptions(short_step_batch_sizes=SHORT_STEP_BATCH_SIZES))
 
 
 def test_an_export_without_folded_weights_is_refused_by_the_compiled_engine(small_artifacts, tmp_path):
