@@ -257,6 +257,10 @@ class CompiledBackend:
         self.inline_lone_calls_by_default = self.cuda_graphs
         self.step_sizes = step_sizes if self.on_cuda else None
         self.f0_step_sizes = F0_STEP_SIZES if self.on_cuda and step_sizes else None
+        ladder = set(batch_sizes) | set(BATCH_SIZES)  # (sizes above the scheduler's max_batch are dropped below)
+        if short_step_batch_sizes is not None and not set(short_step_batch_sizes) <= ladder:
+            raise ValueError(f"short_step_batch_sizes {tuple(short_step_batch_sizes)} must be among the batch sizes "
+                             f"the engine captures, {tuple(sorted(ladder))} (or None: all of them)")
         self.batch_sizes = tuple(sorted(set(batch_sizes))) if self.on_cuda else (1,)
         short = self.batch_sizes if short_step_batch_sizes is None else short_step_batch_sizes
         self.short_step_batch_sizes = tuple(sorted({b for b in self.batch_sizes if b in short} |

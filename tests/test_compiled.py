@@ -225,6 +225,9 @@ def test_the_shorter_steps_are_captured_at_fewer_batch_sizes(compiled_cpu, small
     default.batch_sizes = default.short_step_batch_sizes = BATCH_SIZES  # the default: every size for every step
     assert {batch for kind, size, batch in default._capture_plan((24, 8, 4, 1)) if kind == "final"} == \
         set(BATCH_SIZES)
+    with pytest.raises(ValueError, match="must be among the batch sizes"):
+        CompiledBackend(compiled_cpu.backend.manifest, compiled_cpu.constants, device="cpu",
+                        short_step_batch_sizes=(2, 3))
     with pytest.raises(ValueError, match="short_step_batch_sizes is the compiled engine's"):
         open_vocoder(small_artifacts.out, device="cpu", engine="ort",
                      cuda=CudaOptions(short_step_batch_sizes=SHORT_STEP_BATCH_SIZES))
