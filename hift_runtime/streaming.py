@@ -190,6 +190,8 @@ def split_steps(count: int, sizes: tuple[int, ...] | None, max_size: int | None 
     None)."""
     if count <= 0:
         return []
+    if sizes is not None and count in sizes:  # the common push (a 24-frame chunk): one step, as the greedy split
+        return [count]
     if sizes is None:
         if max_size is None:
             return [count]
@@ -409,7 +411,7 @@ def validate_mel_range(mel: Any, channels: int) -> tuple[np.ndarray, float, floa
     if mel.shape[0] != channels:
         hint = " (is it [T, C]? transpose it)" if mel.shape[1] == channels else ""
         raise MelError(f"mel has {mel.shape[0]} channels, the vocoder expects {channels} mel bins{hint}")
-    if not (np.issubdtype(mel.dtype, np.floating)):
+    if mel.dtype != np.float32 and not np.issubdtype(mel.dtype, np.floating):  # float32 first: the common case
         raise MelTypeError(f"mel has dtype {mel.dtype}; expected float32 (float64/float16 are converted)")
     mel = np.ascontiguousarray(mel, dtype=np.float32)
     if mel.size == 0:

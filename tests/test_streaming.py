@@ -433,3 +433,18 @@ def test_emitted_chunks_do_not_pin_step_buffers(small_vocoder):
     pieces = [stream.push(mel[:, pos:pos + 24]) for pos in range(0, 120, 24)] + [stream.finish()]
     for piece in pieces:
         assert holds_just_its_values(piece)  # only the new samples are kept alive
+
+
+@given(st.integers(-2, 400), st.sampled_from([(24, 8, 4, 1), tuple(range(24, 0, -1)), (24, 16, 8, 4, 2, 1), (1,)]))
+def test_a_push_splits_greedily_into_the_allowed_step_sizes(count, sizes):
+    """split_steps: the largest allowed sizes first (its one-step shortcut for a count that is a size included)."""
+    from hift_runtime.streaming import split_steps
+
+    expected, left = [], count
+    for size in sorted(sizes, reverse=True):
+        while left >= size:
+            expected.append(size)
+            left -= size
+    assert split_steps(count, sizes) == expected
+    assert split_steps(count, None, 64) == ([64] * (count // 64) + ([count % 64] if count % 64 else [])
+                                             if count > 0 else [])
