@@ -221,7 +221,8 @@ def test_closing_a_loop_driven_scheduler_fails_its_waiting_pushes(small_artifact
 
 def test_a_vocoder_outlives_the_event_loop_that_drove_its_scheduler(small_artifacts, alone):
     """asyncio.run() over, its loop closed without detach_loop(): close() still closes (it raised "Event loop is
-    closed" from the loop's own thread), and before that a push from a thread is scheduled by a thread again."""
+    closed" from the loop's own thread), and before that a push from a thread, and apush from another loop, are
+    scheduled by a thread again."""
     mel = random_mel(60, seed=95)
     for push_after in (False, True):
         batched = open_vocoder(small_artifacts.out, device="cpu", batching=True, max_wait_ms=5)
@@ -234,6 +235,12 @@ def test_a_vocoder_outlives_the_event_loop_that_drove_its_scheduler(small_artifa
         assert max_abs(asyncio.run(main()), run_stream(alone, mel, [30, 30])) <= 1e-6
         if push_after:
             assert max_abs(run_stream(batched, mel, [30, 30]), run_stream(alone, mel, [30, 30])) <= 1e-6
+
+            async def later():  # another loop, not attached: a scheduler thread serves it
+                stream = batched.stream()
+                return np.concatenate([await stream.apush(mel[:, :30]), await stream.afinish(mel[:, 30:])])
+
+            assert max_abs(asyncio.run(later()), run_stream(alone, mel, [30, 30])) <= 1e-6
         batched.close()
         with pytest.raises(SchedulerClosed):
             run_stream(batched, mel, [30, 30])
