@@ -35,7 +35,7 @@ ort.set_default_logger_severity(3)
 # A shorter ladder for the compiled engine's shorter steps and final step (a stream's first push is 8 + 8 + 4
 # frames, its last a final step): every 4x rather than every ~1.5x, 24 captures fewer. Measured on the H200: the warm
 # start 87-100 s against 107-113 s, but a load's start burst (every stream's first push at once) pads those steps up
-# to 2x: the first chunks' p50 at 2 816-3 072 streams 148-310 ms against 112-176 with every size. Opt-in
+# to 2x: the first chunks' p50 at 2 816-3 072 streams 148-342 ms against 112-176 with every size. Opt-in
 # (CudaOptions.short_step_batch_sizes), not the default.
 SHORT_STEP_BATCH_SIZES = (2, 8, 32, 128, 256)
 
