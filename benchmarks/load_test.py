@@ -403,6 +403,11 @@ def parity_vs_cpu(vocoder, artifacts: str, streams: int = 4, frames: int = 100) 
     return max(float(np.abs(g - cpu.vocode(m)).max()) for g, m in zip(got, mels))
 
 
+def kept(row: dict[str, Any]) -> bool:
+    """A run within the bound: p95 push <= P95_BOUND_MS and no errors."""
+    return row["push_p95_ms"] <= P95_BOUND_MS and not row["errors"]
+
+
 def p95_by_k(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Each K's runs summed up: how many, the median p95 and its range, and how many kept the bound (no errors)."""
     by_k: dict[int, list[dict[str, Any]]] = {}
@@ -410,7 +415,7 @@ def p95_by_k(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         by_k.setdefault(row["k"], []).append(row)
     return {str(k): {"runs": len(runs), "median_ms": round(float(np.median([r["push_p95_ms"] for r in runs])), 2),
                      "min_ms": min(r["push_p95_ms"] for r in runs), "max_ms": max(r["push_p95_ms"] for r in runs),
-                     "kept_runs": sum(r["push_p95_ms"] <= P95_BOUND_MS and not r["errors"] for r in runs)}
+                     "kept_runs": sum(kept(r) for r in runs)}
             for k, runs in by_k.items()}
 
 
@@ -628,8 +633,8 @@ def main() -> None:
             vocoder.close()
             gc.unfreeze()  # this config's objects become collectable again
         for v, key in keys.items():  # streams served within the bound (past --max-streams, not the refused ones)
-            kept = [r["streams_served"] for r in rows_of[v] if r["push_p95_ms"] <= P95_BOUND_MS and not r["errors"]]
-            result["configs"][key]["max_realtime_streams_at_p95_bound"] = max(kept, default=0)
+            served = [r["streams_served"] for r in rows_of[v] if kept(r)]
+            result["configs"][key]["max_realtime_streams_at_p95_bound"] = max(served, default=0)
             result["configs"][key]["p95_by_k"] = p95_by_k(rows_of[v])
         del vocoder
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -139,15 +139,19 @@ def main() -> None:
     vocoder.scheduler = scheduler
     default_inline, default_quiet_s = scheduler.inline_lone_calls, scheduler.inline_quiet_s
 
-    def inline_arms(inline: bool) -> None:
-        scheduler.inline_lone_calls, scheduler.inline_quiet_s = inline, 0.0  # back to back: every push inlined
-        name = "push_thread" + ("_inline" if inline else "")
-        rows[name] = push_arm(False)
-        scheduler.inline_quiet_s = default_quiet_s  # paced: quiet as a real-time stream's pushes are
-        rows[name + "_paced"] = push_arm(True)
+    def inline_arms(name: str, back_to_back: Callable[[], dict[str, float]],
+                    paced: Callable[[], dict[str, float]]) -> None:
+        """``name`` and ``name_paced``, then ``name_inline`` and ``name_inline_paced``: the scheduler's
+        inline_lone_calls off, then on."""
+        for inline in (False, True):
+            arm = name + ("_inline" if inline else "")
+            scheduler.inline_lone_calls, scheduler.inline_quiet_s = inline, 0.0  # back to back: every push inlined
+            rows[arm] = back_to_back()
+            scheduler.inline_quiet_s = default_quiet_s  # paced: quiet as a real-time stream's pushes are
+            rows[arm + "_paced"] = paced()
+        scheduler.inline_lone_calls = default_inline
 
-    for inline in (False, True):
-        inline_arms(inline)
+    inline_arms("push_thread", lambda: push_arm(False), lambda: push_arm(True))
 
     async def loop_arm(runs: int, pace_s: float) -> dict[str, float]:
         scheduler.attach_loop(asyncio.get_running_loop())
@@ -167,13 +171,8 @@ def main() -> None:
         finally:
             scheduler.detach_loop()
 
-    for inline in (False, True):
-        scheduler.inline_lone_calls, scheduler.inline_quiet_s = inline, 0.0
-        name = "apush_loop" + ("_inline" if inline else "")
-        rows[name] = asyncio.run(loop_arm(args.pushes, 0.0))
-        scheduler.inline_quiet_s = default_quiet_s
-        rows[name + "_paced"] = asyncio.run(loop_arm(args.paced, pace))
-    scheduler.inline_lone_calls = default_inline
+    inline_arms("apush_loop", lambda: asyncio.run(loop_arm(args.pushes, 0.0)),
+                lambda: asyncio.run(loop_arm(args.paced, pace)))
     parity = None
     if args.parity_seconds:
         from hift_runtime.metrics import log_spectral_distance_db, max_abs, snr_db

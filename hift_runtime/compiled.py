@@ -410,7 +410,7 @@ class CompiledBackend:
         finally:
             torch.backends.cuda.matmul.allow_tf32 = matmul
 
-    def _batch(self, rows: int, kind: str = "f0", size: int = 0) -> int:
+    def _batch(self, rows: int, kind: str, size: int) -> int:
         """The captured batch size a call of ``rows`` streams of step ``kind`` x ``size`` runs at (padded)."""
         return next((b for b in self._ladders.get((kind, size), self.batch_sizes) if b >= rows), rows)
 
@@ -421,7 +421,8 @@ class CompiledBackend:
         fresh = self._f0_fresh
         values = [mel, np.array([[s.index in fresh] for s in slots]), np.array([s.index for s in slots], np.int64)]
         with self._lock, self._precision():
-            graph = self._graphs.get(("f0", mel.shape[2] - self.constants.f0_look_ahead, self._batch(rows)))
+            size = mel.shape[2] - self.constants.f0_look_ahead
+            graph = self._graphs.get(("f0", size, self._batch(rows, "f0", size)))
             if graph is not None:
                 out = graph.run(values, rows)
             else:

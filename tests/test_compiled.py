@@ -219,7 +219,7 @@ def test_the_shorter_steps_are_captured_at_fewer_batch_sizes(compiled_cpu, small
     assert len(plan) == 11 + 3 * 11 + 4 * 4
     assert plan[0] == ("generator", 24, 2) and plan[-1][0] == "f0"  # the compiles first, each at its smallest batch
     assert (backend._batch(9, "generator", 24), backend._batch(9, "generator", 8), backend._batch(9, "final", 4),
-            backend._batch(9)) == (16, 32, 32, 16)
+            backend._batch(9, "f0", 2)) == (16, 32, 32, 16)
     assert backend._batch(33, "generator", 4) == 256
     default = CompiledBackend(compiled_cpu.backend.manifest, compiled_cpu.constants, device="cpu")
     default.batch_sizes = default.short_step_batch_sizes = BATCH_SIZES  # the default: every size for every step
