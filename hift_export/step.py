@@ -171,7 +171,7 @@ def _trunk(gen: CausalHiFTGenerator, mel: torch.Tensor, s_stft: torch.Tensor, fi
 def generator_step(gen: CausalHiFTGenerator, mel: torch.Tensor, f0: torch.Tensor, noise: torch.Tensor,
                    phase_in: torch.Tensor, first: torch.Tensor, caches: dict[str, torch.Tensor],
                    final: bool, trunk_dtype: torch.dtype | None = None,
-                   source: tuple[torch.Tensor, torch.Tensor] | None = None
+                   source: tuple[torch.Tensor, torch.Tensor] | None = None, frames: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """One generator step (see the module docstring). Returns ``(audio, phase_out, new caches)``; the final step
     returns no caches.
@@ -182,7 +182,15 @@ def generator_step(gen: CausalHiFTGenerator, mel: torch.Tensor, f0: torch.Tensor
     The caches the trunk writes are then in that dtype.
 
     ``source``: ``gen.m_source(f0, noise, phase_in)`` computed by the caller (``f0`` and ``noise`` are then unused):
-    a compiler can take the rest of the step while the source's phase rounds as eager code rounds it."""
+    a compiler can take the rest of the step while the source's phase rounds as eager code rounds it.
+
+    ``frames [B]`` (final step only): a final step in a fixed *window* of ``c`` frames, each row's utterance ending
+    after ``frames`` of them (the rest of its ``mel`` zeros): the end's reflection, the iSTFT's last frames and its
+    envelope follow each row's end, and a row's first ``480(frames+1)`` samples equal a final step of ``frames``
+    frames (everything past them is discarded). One graph then serves every final step up to ``c`` frames.
+    ``phase_out`` is the window's (a final step's is not used)."""
+    if frames is not None and not final:
+        raise ValueError("frames (a final step in a window) is for the final step")
     if gen.spectral.mode != "conv":
         raise ValueError("the step form needs the generator built with spectral='conv'")
     cfg = gen.config
@@ -197,7 +205,9 @@ def generator_step(gen: CausalHiFTGenerator, mel: torch.Tensor, f0: torch.Tensor
     # sizes for torch.export).
     spf = cfg.samples_per_frame
     head = torch.where(first3, torch.flip(source[..., 1:half + 1], dims=[-1]), caches["source"])
-    if final:
+    if final and frames is not None:
+        src = _reflected_at(torch.cat([head, source], dim=-1), half + frames * spf, half)
+    elif final:
         src = torch.cat([head, source, torch.flip(source[..., -half - 1:-1], dims=[-1])], dim=-1)
     else:
         src = torch.cat([head, source[..., : half - spf]], dim=-1)  # up to 8 samples into frame a+c
@@ -217,12 +227,17 @@ def generator_step(gen: CausalHiFTGenerator, mel: torch.Tensor, f0: torch.Tensor
     bins = cfg.stft_bins
     magnitude = torch.clip(torch.exp(x[:, :bins, :]), max=1e2)
     phase = torch.sin(x[:, bins:, :])
-    frames = torch.cat([magnitude * torch.cos(phase), magnitude * torch.sin(phase)], dim=1)
-    y = F.conv_transpose1d(frames, gen.spectral.istft_kernel, stride=cfg.hop_len)  # [B, 1, 4F + 12]
+    spectrum = torch.cat([magnitude * torch.cos(phase), magnitude * torch.sin(phase)], dim=1)
+    exists_here = torch.ones_like(x[:, :1, :])
+    if frames is not None:  # a window: the STFT frames past a row's end do not exist (no sound, no envelope)
+        stft_frames = frames.reshape(-1, 1, 1) * (spf // cfg.hop_len) + 1
+        exists_here = (torch.arange(x.shape[-1], device=x.device) < stft_frames).to(x.dtype)
+        spectrum = torch.where(exists_here > 0, spectrum, 0.0)  # not a product: 0 * inf of a row's garbage is NaN
+    y = F.conv_transpose1d(spectrum, gen.spectral.istft_kernel, stride=cfg.hop_len)  # [B, 1, 4F + 12]
     overlap = cfg.n_fft - cfg.hop_len
     y = torch.cat([y[..., :overlap] + caches["istft_tail"], y[..., overlap:]], dim=-1)
     before = overlap // cfg.hop_len  # frames before this step that still reach its samples (3)
-    exists = torch.cat([torch.where(first3, 0.0, 1.0).expand(-1, 1, before), torch.ones_like(x[:, :1, :])], dim=-1)
+    exists = torch.cat([torch.where(first3, 0.0, 1.0).expand(-1, 1, before), exists_here], dim=-1)
     envelope = F.conv_transpose1d(exists, gen.spectral.window_sq, stride=cfg.hop_len)[..., overlap:]
     # The envelope is 0 only at the utterance's very first sample (where y is 0 too), inside the centring trim: a
     # floor there keeps 0/0 out of the discarded samples and changes no other value (the next smallest is 1.4e-3).
@@ -239,6 +254,16 @@ def generator_step(gen: CausalHiFTGenerator, mel: torch.Tensor, f0: torch.Tensor
         audio = audio[..., :-delay]
     audio = torch.clamp(audio[:, 0, :], -cfg.audio_limit, cfg.audio_limit)
     return audio, phase_out, ({} if final else new)
+
+
+def _reflected_at(signal: torch.Tensor, end: torch.Tensor, pad: int) -> torch.Tensor:
+    """``signal [B, 1, L]`` extended by ``pad`` samples, each row reflected at its own ``end [B]`` (exclusive, as
+    ``flip(x[..., end-pad-1:end-1])`` after ``x[..., :end]``); what lies past the reflection is unspecified (unused)."""
+    length = signal.shape[-1] + pad
+    j = torch.arange(length, device=signal.device).expand(signal.shape[0], 1, length)
+    end = end.reshape(-1, 1, 1)
+    index = torch.where(j < end, j, 2 * end - 2 - j).clamp(0, signal.shape[-1] - 1)
+    return torch.gather(signal, -1, index)
 
 
 def f0_step(predictor: CausalF0Predictor, mel: torch.Tensor, caches: dict[str, torch.Tensor],

@@ -16,7 +16,7 @@ CUDA context, the model and the device cache pool (1.2 GB at 2 048 slots) while 
 One worker (what the engine runs; not a user command)::
 
     python -m hift_runtime.compile_workers --artifacts DIR --precision fp16 --slots 2048 --device cuda:0 \\
-        --conv-layout channels-last --shape generator:24
+        --conv-layout channels-last --final-window on --shape generator:24
 """
 
 from __future__ import annotations
@@ -47,10 +47,10 @@ def python_executable() -> str:
     return shutil.which("python3") or sys.executable
 
 
-def compile_units(step_sizes: tuple[int, ...], mel_look_ahead: int) -> list[tuple[str, int]]:
+def compile_units(step_sizes: tuple[int, ...], final_frames: int) -> list[tuple[str, int]]:
     """The engine's compiles, one a unit: the stream step at each of ``step_sizes``, the final step (its frames: the
-    mel look-ahead)."""
-    return [("generator", size) for size in step_sizes] + [("final", mel_look_ahead)]
+    engine's ``final_frames``)."""
+    return [("generator", size) for size in step_sizes] + [("final", final_frames)]
 
 
 def worker_command(backend: Any, kind: str, size: int) -> list[str]:
@@ -58,7 +58,7 @@ def worker_command(backend: Any, kind: str, size: int) -> list[str]:
     return [python_executable(), "-m", "hift_runtime.compile_workers", "--artifacts", str(backend.manifest.root),
             "--precision", backend.precision, "--slots", str(backend.cache_slots), "--device", str(backend.device),
             "--conv-layout", backend.conv_layout, "--cache-layout", backend.cache_layout,
-            "--shape", f"{kind}:{size}"]
+            "--final-window", "on" if backend.final_window_frames else "off", "--shape", f"{kind}:{size}"]
 
 
 def compile_side_by_side(commands: dict[str, list[str]], processes: int, say: Callable[[str], None],
@@ -106,7 +106,7 @@ def precompile(backend: Any, step_sizes: tuple[int, ...], say: Callable[[str], N
         fcntl.flock(lock, fcntl.LOCK_EX)
         if marker.exists():
             return marker
-        units = compile_units(step_sizes, backend.constants.mel_look_ahead)
+        units = compile_units(step_sizes, backend.final_frames)
         say(f"warmup: a first start: compiling {len(units)} step graphs in {backend.compile_processes} processes "
             f"side by side into inductor's cache (~2 min on an H200)")
         seconds = compile_side_by_side({f"{kind}:{size}": worker_command(backend, kind, size) for kind, size in units},
@@ -133,14 +133,14 @@ def warm_marker(backend: Any, step_sizes: tuple[int, ...]) -> Path:
     arch = torch.cuda.get_device_capability(device) if device.type == "cuda" else "cpu"
     what = {"torch": torch.__version__, "arch": str(arch), "precision": backend.precision,
             "conv_layout": backend.conv_layout, "cache_layout": backend.cache_layout,
-            "slots": backend.cache_slots, "step_sizes": list(step_sizes),
+            "slots": backend.cache_slots, "step_sizes": list(step_sizes), "final_window": backend.final_window_frames,
             "config": backend.manifest.config, "step": backend.manifest.step, "code": code.hexdigest()}
     key = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:24]
     return Path(cache_dir()) / "hift" / f"compiled-{key}.warm"
 
 
 def compile_one(artifacts: str, precision: str, slots: int, device: str, conv_layout: str, cache_layout: str,
-                kind: str, size: int) -> float:
+                kind: str, size: int, final_window: bool = True) -> float:
     """Build the engine's backend as the parent process has it and compile one step shape; seconds."""
     from .compiled import CompiledBackend
     from .manifest import read_manifest
@@ -150,7 +150,7 @@ def compile_one(artifacts: str, precision: str, slots: int, device: str, conv_la
     manifest = read_manifest(artifacts)
     constants = StreamConstants.from_manifest(manifest.config, manifest.step)
     backend = CompiledBackend(manifest, constants, device=device, precision=precision, slots=slots,
-                              conv_layout=conv_layout, cache_layout=cache_layout)
+                              conv_layout=conv_layout, cache_layout=cache_layout, final_window=final_window)
     # The noise table is read by the eager source only (outside the compiled part): a short one serves.
     backend.use_noise_table(NoiseTable.seeded(0, 4 * 24 * constants.samples_per_frame, constants.num_sines))
     return backend.compile_shape(kind, size)
@@ -164,11 +164,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", required=True)
     p.add_argument("--conv-layout", required=True)
     p.add_argument("--cache-layout", default="channels-first")
-    p.add_argument("--shape", required=True, help="KIND:FRAMES, e.g. generator:24 or final:4")
+    p.add_argument("--final-window", choices=["on", "off"], default="on",
+                   help="the final step as the engine's window (CompiledBackend(final_window=...))")
+    p.add_argument("--shape", required=True, help="KIND:FRAMES, e.g. generator:24 or final:28")
     args = p.parse_args(argv)
     kind, size = args.shape.split(":")
     seconds = compile_one(args.artifacts, args.precision, args.slots, args.device, args.conv_layout,
-                          args.cache_layout, kind, int(size))
+                          args.cache_layout, kind, int(size), args.final_window == "on")
     print(json.dumps({"shape": args.shape, "seconds": round(seconds, 1)}), flush=True)
 
 

@@ -9,7 +9,8 @@ fused into Triton kernels, cuDNN convolutions), behind the same bookkeeping and 
   and audio crosses the bus (the F0 caches, 32 KB a stream at full size, used to travel both ways with every call).
 * **Noise**: the noise table lives on the device; each step gathers its rows from the first row's index (no 432 KB of
   noise per stream-step crosses the bus).
-* **CUDA graphs**: at :meth:`warmup`, every (step size, batch size) of the stream step, the 4-frame final step and
+* **CUDA graphs**: at :meth:`warmup`, every (step size, batch size) of the stream step, the final step (a window of
+  28 frames, each row's end an input: a stream's last push is its F0 call and one final call) and
   the F0 step (every size up to 24 frames: one F0 call a push) is compiled (one dynamic-batch compile serves all
   sizes; the F0 step runs eagerly), run, and captured (optionally the shorter steps and the final step, which a
   stream meets only at its start and end, at fewer batch sizes: ``short_step_batch_sizes``);
@@ -218,7 +219,10 @@ class CompiledBackend:
     cache, :mod:`~hift_runtime.compile_workers`) compiles its step graphs in this many processes side by side (1: in
     turn, in this process). ``short_step_batch_sizes``: the batch sizes captured for the shorter step sizes and the
     final step (those of ``batch_sizes`` in it, and the largest; None, the default: all of ``batch_sizes``;
-    :data:`~hift_runtime.sessions.SHORT_STEP_BATCH_SIZES` is measured there).
+    :data:`~hift_runtime.sessions.SHORT_STEP_BATCH_SIZES` is measured there). ``final_window``: the final step as
+    one graph over a window of :attr:`final_window_frames` (the largest step size plus the mel look-ahead), each row's
+    end an input, instead of a graph of the look-ahead's 4 frames after generator steps (None, the default: on where
+    CUDA graphs are captured).
     """
 
     caches_in_place = True
@@ -231,7 +235,7 @@ class CompiledBackend:
                  step_sizes: tuple[int, ...] | None = STEP_SIZES, batch_sizes: tuple[int, ...] = BATCH_SIZES,
                  slots: int = 2048, conv_layout: str | None = None, compile_processes: int = 5,
                  cache_layout: str = "channels-first",
-                 short_step_batch_sizes: tuple[int, ...] | None = None) -> None:
+                 short_step_batch_sizes: tuple[int, ...] | None = None, final_window: bool | None = None) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         conv_layout = DEFAULT_CONV_LAYOUT[precision] if conv_layout is None else conv_layout
@@ -256,6 +260,11 @@ class CompiledBackend:
         # the scheduling thread (PushScheduler.inline_lone_calls); an eager call on the CPU is not.
         self.inline_lone_calls_by_default = self.cuda_graphs
         self.step_sizes = step_sizes if self.on_cuda else None
+        # The final step's window (streaming.py: a stream's last push is then two calls): the largest step plus the
+        # look-ahead, so any remainder is steps of the largest size and one final call.
+        window = self.cuda_graphs and bool(step_sizes) if final_window is None else final_window
+        self.final_window_frames: int | None = (max(step_sizes or STEP_SIZES) + constants.mel_look_ahead
+                                                if window else None)
         self.f0_step_sizes = F0_STEP_SIZES if self.on_cuda and step_sizes else None
         ladder = set(batch_sizes) | set(BATCH_SIZES)  # (sizes above the scheduler's max_batch are dropped below)
         if short_step_batch_sizes is not None and not set(short_step_batch_sizes) <= ladder:
@@ -321,15 +330,15 @@ class CompiledBackend:
         return self.generator.m_source(f0, self._noise(start, f0.shape[1]), phase_in)
 
     def _after_source(self, final: bool, mel: torch.Tensor, source: torch.Tensor, cum: torch.Tensor,
-                      phase_in: torch.Tensor, first: torch.Tensor, slots: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      phase_in: torch.Tensor, first: torch.Tensor, slots: torch.Tensor,
+                      frames: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The step after its source (what is compiled): reads the slots' cache rows; a stream step writes them
-        back (the final step leaves them: the stream ends)."""
+        back (the final step leaves them: the stream ends). ``frames``: a final step in the window."""
         from hift_export.step import generator_step
 
         caches = self._generator_rows.read(slots, first)
         audio, phase, new = generator_step(self.generator, mel, None, None, phase_in, first, caches, final,
-                                           self._trunk_dtype, source=(source, cum))
+                                           self._trunk_dtype, source=(source, cum), frames=frames)
         if not final:
             self._generator_rows.write(slots, new)
         return audio, phase
@@ -339,23 +348,25 @@ class CompiledBackend:
         return self._after_source(False, mel, source, cum, phase_in, first, slots)
 
     def _final_rest(self, mel: torch.Tensor, source: torch.Tensor, cum: torch.Tensor, phase_in: torch.Tensor,
-                    first: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._after_source(True, mel, source, cum, phase_in, first, slots)
+                    first: torch.Tensor, slots: torch.Tensor, frames: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._after_source(True, mel, source, cum, phase_in, first, slots, frames)
 
     def _step(self, mel: torch.Tensor, f0: torch.Tensor, start: torch.Tensor, phase_in: torch.Tensor,
               first: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._rest(mel, *self._source(f0, start, phase_in), phase_in, first, slots)
 
     def _final(self, mel: torch.Tensor, f0: torch.Tensor, start: torch.Tensor, phase_in: torch.Tensor,
-               first: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._final_rest(mel, *self._source(f0, start, phase_in), phase_in, first, slots)
+               first: torch.Tensor, slots: torch.Tensor, frames: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._final_rest(mel, *self._source(f0, start, phase_in), phase_in, first, slots, frames)
 
     def _with_source(self, rest: Callable[..., tuple[torch.Tensor, torch.Tensor]], mel: torch.Tensor,
                      f0: torch.Tensor, start: torch.Tensor, phase_in: torch.Tensor, first: torch.Tensor,
-                     slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                     slots: torch.Tensor, *window_end: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The eager source, then the compiled ``rest`` (run at warmup, when the CUDA graphs are captured)."""
         source, cum = self._source(f0, start, phase_in)
-        args = [mel, source, cum, phase_in, first, slots]
+        args = [mel, source, cum, phase_in, first, slots, *window_end]
         _mark_batch_dynamic(args)  # the source's outputs are new tensors: marked as the step's inputs are
         return rest(*args)
 
@@ -431,7 +442,8 @@ class CompiledBackend:
         return out[0], caches  # the next caches are in the same slots
 
     def generator_step(self, mel: np.ndarray, f0: np.ndarray, noise: np.ndarray, phase_in: np.ndarray,
-                       first: np.ndarray, caches: Any, final: bool) -> tuple[np.ndarray, np.ndarray, Any]:
+                       first: np.ndarray, caches: Any, final: bool, frames: np.ndarray | None = None
+                       ) -> tuple[np.ndarray, np.ndarray, Any]:
         if self._table is None:
             raise RuntimeError("the compiled engine has no noise table: it is set by StreamingVocoder "
                                "(use_noise_table)")
@@ -439,6 +451,8 @@ class CompiledBackend:
         rows = mel.shape[0]
         values = [mel, f0, noise.reshape(rows, 1).astype(np.int64, copy=False), phase_in, first,
                   np.array([s.index for s in slots], np.int64)]
+        if frames is not None:  # a final step in the window: each row's frames
+            values.append(frames.reshape(rows).astype(np.int64, copy=False))
         size = f0.shape[1] - (0 if final else self.constants.source_look_ahead)
         with self._lock, self._precision():
             kind = "final" if final else "generator"
@@ -495,11 +509,16 @@ class CompiledBackend:
         stream step and the F0 step, ``short_step_batch_sizes`` for the shorter steps and the final step."""
         ladders = {("generator", size): self.short_step_batch_sizes for size in step_sizes}
         ladders[("generator", max(step_sizes))] = self.batch_sizes
-        ladders[("final", self.constants.mel_look_ahead)] = self.short_step_batch_sizes
+        ladders[("final", self.final_frames)] = self.short_step_batch_sizes
         ladders.update({("f0", size): self.batch_sizes for size in self.f0_step_sizes or step_sizes})
         self._ladders = ladders
         return [(kind, size, batch) for group in ("generator", "final", "f0") for batch in self.batch_sizes
                 for (kind, size), ladder in ladders.items() if kind == group and batch in ladder]
+
+    @property
+    def final_frames(self) -> int:
+        """The frames of the final step's graph: the window's, or (without one) the mel look-ahead's."""
+        return self.final_window_frames or self.constants.mel_look_ahead
 
     def compile_shape(self, kind: str, size: int) -> float:
         """Compile the step ``kind`` of ``size`` frames as :meth:`warmup` compiles it (the same inputs, at the
@@ -535,10 +554,13 @@ class CompiledBackend:
                     torch.ones(batch, 1, dtype=torch.bool, device=dev), torch.zeros(batch, dtype=torch.int64, device=dev)]
         final = kind == "final"
         mel, src = (size, size) if final else (size + c.mel_look_ahead, size + c.source_look_ahead)
+        window_end = ([torch.full((batch,), size, dtype=torch.int64, device=dev)]
+                      if final and self.final_window_frames is not None else [])
         return [torch.zeros(batch, c.in_channels, mel, device=dev), torch.zeros(batch, src, device=dev),
                 torch.zeros(batch, 1, dtype=torch.int64, device=dev),
                 torch.zeros(batch, c.num_sines, dtype=torch.float64, device=dev),
-                torch.ones(batch, 1, dtype=torch.bool, device=dev), torch.zeros(batch, dtype=torch.int64, device=dev)]
+                torch.ones(batch, 1, dtype=torch.bool, device=dev), torch.zeros(batch, dtype=torch.int64, device=dev),
+                *window_end]
 
 
 def warmup_summary(seconds: dict[str, float]) -> str:

@@ -80,6 +80,10 @@ class CudaOptions:
     # shorter step sizes, the final step; the 24-frame step keeps every size); None (the default): every size.
     # SHORT_STEP_BATCH_SIZES: a shorter warmup, slower first chunks under load (measured there).
     short_step_batch_sizes: tuple[int, ...] | None = None
+    # The compiled engine's final step as one call over a window of the largest step size plus the look-ahead (28
+    # frames), so a stream's last push is two calls, not up to five; None (the default): on where CUDA graphs are
+    # captured, False: the 4-frame final step after generator steps.
+    final_window: bool | None = None
 
     def provider_options(self) -> dict[str, str]:
         return {"device_id": str(self.device_id), "use_tf32": "1" if self.use_tf32 else "0",
@@ -656,6 +660,9 @@ def open_vocoder(artifacts: str | os.PathLike[str], *, device: Device = "auto",
         if cuda.short_step_batch_sizes is not None:
             raise ValueError("CudaOptions.short_step_batch_sizes is the compiled engine's (engine='compiled'); "
                              "ONNX Runtime captures CudaOptions.batch_sizes for every step")
+        if cuda.final_window:
+            raise ValueError("CudaOptions.final_window is the compiled engine's (engine='compiled'); ONNX Runtime's "
+                             "final step takes any count of frames")
         backend = OrtBackend(manifest, constants, device=device, cuda=cuda, intra_op_threads=intra_op_threads)
         on_gpu = backend.generator_provider == CUDA
     if batching is None:
@@ -705,4 +712,4 @@ def _compiled_backend(manifest: Manifest, constants: StreamConstants, device: st
     return CompiledBackend(manifest, constants, device=target, precision=precision, batch_sizes=batches,
                            slots=cuda.slots, conv_layout=cuda.conv_layout, cache_layout=cuda.cache_layout,
                            compile_processes=cuda.compile_processes,
-                           short_step_batch_sizes=cuda.short_step_batch_sizes)
+                           short_step_batch_sizes=cuda.short_step_batch_sizes, final_window=cuda.final_window)

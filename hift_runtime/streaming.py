@@ -20,7 +20,9 @@ equals one offline ``finalize=True`` pass (see ``hift_export/step.py`` for the s
   the float32 rounding at small magnitudes: more accurate than upstream on long streams, not bit-faithful to it.
 * **Noise.** Rows of the :class:`~hift_runtime.noise.NoiseTable` by absolute sample (or, for a backend that holds
   the table on its device, the first row's index).
-* **Finish.** The final step covers the remaining frames with zero look-ahead and emits everything held back.
+* **Finish.** The final step covers the remaining frames with zero look-ahead and emits everything held back. On a
+  backend with a final *window* (``final_window_frames``: the compiled engine on CUDA) it is one call for up to that
+  many frames, so a stream's last push is two calls (F0, final) instead of up to five.
 
 Totals: exactly ``480 * frames`` samples. A stream's state is bounded: the caches (fixed size), at most
 ``4 + pending`` mel frames and F0 values, the phase.
@@ -152,7 +154,11 @@ class VocoderBackend(Protocol):
         """One generator step (``hift_export.step``): ``(audio [B, S], phase_out [B, 9] float64, next caches)``.
 
         A backend with ``takes_noise_positions = True`` is given ``use_noise_table(table)`` once, and then as ``noise``
-        each row's first sample index ``[B, 1]`` int64 instead of the rows: it gathers them on its device."""
+        each row's first sample index ``[B, 1]`` int64 instead of the rows: it gathers them on its device.
+
+        A backend with ``final_window_frames = W`` (an int) is given every final step as a window of ``W`` frames, zero
+        past each row's end, and after ``final`` each row's frames ``[B, 1]`` int64 (``hift_export.step``'s
+        ``frames``); a row's audio is its first ``480(frames+1)`` samples."""
         ...
 
 
@@ -204,11 +210,19 @@ def split_steps(count: int, sizes: tuple[int, ...] | None, max_size: int | None 
     return out
 
 
+def _padded(frames: np.ndarray, length: int) -> np.ndarray:
+    """``frames`` (time last) zero-padded to ``length`` along time, C-contiguous."""
+    out = np.zeros((*frames.shape[:-1], length), np.float32)
+    out[..., :frames.shape[-1]] = frames
+    return out
+
+
 @dataclass(frozen=True)
 class StepCall:
     """One backend call a push needs: ``kind`` ``"f0"`` (args of ``f0_step``) or ``"generator"``/``"final"`` (args
-    of ``generator_step`` without ``final``). Calls of the same :attr:`key` from different streams can run as one
-    batched call (their arrays are batch-first with one row each)."""
+    of ``generator_step`` without ``final``; a final step in the backend's window has one more, ``frames``, passed
+    after ``final``). Calls of the same :attr:`key` from different streams can run as one batched call (their arrays
+    are batch-first with one row each)."""
 
     kind: str
     args: tuple[Any, ...]
@@ -223,7 +237,7 @@ class StepCall:
     def run(self, backend: VocoderBackend) -> Any:
         if self.kind == "f0":
             return backend.f0_step(*self.args)
-        return backend.generator_step(*self.args, self.kind == "final")
+        return backend.generator_step(*self.args[:6], self.kind == "final", *self.args[6:])
 
 
 def drive(steps: Generator[StepCall, Any, np.ndarray], backend: VocoderBackend,
@@ -286,6 +300,17 @@ class StreamingVocoder:
         self.f0_step_sizes = step_sizes if step_sizes is None or f0_sizes is None else tuple(sorted(f0_sizes,
                                                                                                  reverse=True))
         self.max_step_frames = max_step_frames
+        # A backend whose final step takes any count of frames up to this many as one call (a fixed window, each
+        # row's end an input): a stream's last push is then its F0 call and one final call, where the generator's
+        # sizes would make up to five calls in turn (F0, 8 + 1 + 1 frames, the final step), each waiting for a device
+        # turn under load. Longer remainders go first as steps of the largest size, so the window must exceed it by
+        # the mel look-ahead (those steps need it).
+        self.final_window = getattr(backend, "final_window_frames", None)
+        if self.final_window is not None and step_sizes is not None and \
+                self.final_window < step_sizes[0] + constants.mel_look_ahead - 1:
+            raise ValueError(f"the backend's final window ({self.final_window} frames) must be at least the largest "
+                             f"step size plus the mel look-ahead less one ({step_sizes[0]} + "
+                             f"{constants.mel_look_ahead} - 1)")
         self.max_streams, self.idle_timeout_s = max_streams, idle_timeout_s
         # Open streams (weak: a stream its caller dropped frees its slot) and how many are inside a push right now
         # (a batching scheduler waits for partners only while some may still come).
@@ -636,8 +661,9 @@ class VocoderStream:
             self._v._unregister(self)
 
     def _generator_call(self, kind: str, mel: np.ndarray, f0: np.ndarray, position: int, frames: int,
-                        phase: np.ndarray, caches: Any) -> StepCall:
-        """A generator (or final) step from ``position``: its noise rows and ``first`` flag are the position's."""
+                        phase: np.ndarray, caches: Any, window_end: np.ndarray | None = None) -> StepCall:
+        """A generator (or final) step from ``position``: its noise rows and ``first`` flag are the position's.
+        ``window_end [1, 1]``: a final step in the backend's window, the utterance's frames in it."""
         spf = self._c.samples_per_frame
         if self._noise_positions:  # the backend reads the noise table itself: its first row's index is enough
             noise = np.array([[position * spf]], np.int64)
@@ -647,8 +673,8 @@ class VocoderStream:
         if writes:
             self._caches_written = True  # until the commit, a failure (not a cancellation) loses the stream
         # Every array C-contiguous: a batched call stacks them as bytes (arrays.concat_rows).
-        return StepCall(kind, (np.ascontiguousarray(mel[None]), f0[None], noise, phase, np.array([[position == 0]]),
-                               caches), writes)
+        args = (np.ascontiguousarray(mel[None]), f0[None], noise, phase, np.array([[position == 0]]), caches)
+        return StepCall(kind, args if window_end is None else (*args, window_end), writes)
 
     def _emitted(self, audio: np.ndarray, position: int) -> np.ndarray:
         """A step's audio row, without the samples before the utterance on its first step (the audio lags)."""
@@ -689,6 +715,10 @@ class VocoderStream:
         phase, caches = self._phase, self._gen_caches
         position, pieces, steps = base, [], []
         limit = min(n - c.mel_look_ahead, f0_end - c.source_look_ahead)
+        window = self._v.final_window if final else None
+        if window is not None:  # the generator only as far as the window's start, in steps of the largest size
+            unit = sizes[0] if sizes else 1
+            limit = position + max(0, -(-(n - position - window) // unit) * unit)
         for size in split_steps(limit - position, sizes, max_step):
             i = position - base
             audio, phase, caches = yield self._generator_call(
@@ -701,7 +731,14 @@ class VocoderStream:
             position += size
         if final and n > position:
             i = position - base
-            audio, _, _ = yield self._generator_call("final", mel[:, i:], f0[i:], position, n - position, phase, caches)
+            frames = n - position
+            if window is None:
+                audio, _, _ = yield self._generator_call("final", mel[:, i:], f0[i:], position, frames, phase, caches)
+            else:  # padded to the window (zeros: finalize's look-ahead); the row's own end is an input
+                audio, _, _ = yield self._generator_call(
+                    "final", _padded(mel[:, i:], window), _padded(f0[i:], window), position, window, phase, caches,
+                    np.array([[frames]], np.int64))
+                audio = audio[:, :(frames + 1) * c.samples_per_frame]
             pieces.append(self._emitted(audio, position))
             steps.append(n - position)
             position = n
