@@ -116,55 +116,72 @@ def f0_cache_layout(config: HiFTConfig, dtype: str) -> list[dict[str, Any]]:
 
 
 # ---- the eager step ----------------------------------------------------------------------------------------------------
-def _cached_conv(conv: Conv1d, x: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A causal conv continued from its left context: ``conv(cat(cache, x))`` without padding, and the new cache."""
+def _tail(x: torch.Tensor, size: int, shift: torch.Tensor | None = None, skip: int = 0) -> torch.Tensor:
+    """``x[..., -size-skip:-skip]``: the ``size`` samples before the last ``skip``; with ``shift [B, 1, 1]`` (a step in
+    a window) each row's end ``shift`` samples earlier (its own last real sample)."""
+    if shift is None:
+        return x[..., -size - skip: -skip if skip else None]
+    index = x.shape[-1] - skip - size - shift + torch.arange(size, device=x.device)
+    return torch.gather(x, -1, index.expand(x.shape[0], x.shape[1], size))
+
+
+def _cached_conv(conv: Conv1d, x: torch.Tensor, cache: torch.Tensor, shift: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A causal conv continued from its left context: ``conv(cat(cache, x))`` without padding, and the new cache
+    (``shift``: see :func:`_tail`)."""
     full = torch.cat([cache, x], dim=-1)
-    return conv.convolve(full), full[..., -cache.shape[-1]:]
+    return conv.convolve(full), _tail(full, cache.shape[-1], shift)
 
 
 def _resblock_step(block: ResBlock, x: torch.Tensor, prefix: str, caches: dict[str, torch.Tensor],
-                   new: dict[str, torch.Tensor]) -> torch.Tensor:
+                   new: dict[str, torch.Tensor], shift: torch.Tensor | None = None) -> torch.Tensor:
     for j, (conv1, conv2, act1, act2) in enumerate(zip(block.convs1, block.convs2, block.activations1,
                                                        block.activations2)):
-        h, new[f"{prefix}.{j}.conv1"] = _cached_conv(conv1, act1(x), caches[f"{prefix}.{j}.conv1"])
-        h, new[f"{prefix}.{j}.conv2"] = _cached_conv(conv2, act2(h), caches[f"{prefix}.{j}.conv2"])
+        h, new[f"{prefix}.{j}.conv1"] = _cached_conv(conv1, act1(x), caches[f"{prefix}.{j}.conv1"], shift)
+        h, new[f"{prefix}.{j}.conv2"] = _cached_conv(conv2, act2(h), caches[f"{prefix}.{j}.conv2"], shift)
         x = h + x
     return x
 
 
 def _trunk(gen: CausalHiFTGenerator, mel: torch.Tensor, s_stft: torch.Tensor, first3: torch.Tensor,
-           caches: dict[str, torch.Tensor], new: dict[str, torch.Tensor], final: bool) -> torch.Tensor:
+           caches: dict[str, torch.Tensor], new: dict[str, torch.Tensor], final: bool,
+           short: torch.Tensor | None = None) -> torch.Tensor:
     """The convolution trunk of a generator step: ``conv_pre``, the upsampling stages with their source branches and
-    resblocks, ``conv_post``; writes its caches into ``new``."""
+    resblocks, ``conv_post``; writes its caches into ``new``. ``short [B, 1, 1]``: a stream step in a window, each
+    row's frames short of the window's (its caches are taken that many frames before the end, at each stage's rate)."""
     cfg = gen.config
     x = gen.conv_pre(mel, pad_right=final)
     last = len(gen.ups) - 1
     downs = cfg.source_down_rates
+    rate = 1  # samples per frame at the current stage
     for i, up in enumerate(gen.ups):
+        rate *= up.upsample_factor
+        shift = None if short is None else short * rate
         x = F.leaky_relu(x, cfg.lrelu_slope)
-        x, new[f"ups.{i}"] = _cached_conv(up, nearest_upsample(x, up.upsample_factor), caches[f"ups.{i}"])
+        x, new[f"ups.{i}"] = _cached_conv(up, nearest_upsample(x, up.upsample_factor), caches[f"ups.{i}"], shift)
         if i == last:
             delayed = torch.where(first3, x[..., 1:2], caches["reflect"])
-            new["reflect"] = x[..., -1:]
+            new["reflect"] = _tail(x, 1, shift)
             x = torch.cat([delayed, x if final else x[..., :-1]], dim=-1)
         down = gen.source_downs[i]
         if downs[i] > 1:
             key = f"source_downs.{i}"
             full = torch.cat([caches[key], s_stft], dim=-1)
             si = down.convolve(full)
-            new[key] = full[..., -caches[key].shape[-1] - 1: -1]
+            new[key] = _tail(full, caches[key].shape[-1], None if short is None else short * (rate * downs[i]),
+                             skip=1)
         else:
             si = down(s_stft if final else s_stft[..., :-1])
-        si = _resblock_step(gen.source_resblocks[i], si, f"source_resblocks.{i}", caches, new)
+        si = _resblock_step(gen.source_resblocks[i], si, f"source_resblocks.{i}", caches, new, shift)
         x = x + si
         xs = None
         for j in range(gen.num_kernels):
             k = i * gen.num_kernels + j
-            out = _resblock_step(gen.resblocks[k], x, f"resblocks.{k}", caches, new)
+            out = _resblock_step(gen.resblocks[k], x, f"resblocks.{k}", caches, new, shift)
             xs = out if xs is None else xs + out
         x = xs / gen.num_kernels
     x = F.leaky_relu(x, cfg.post_lrelu_slope)
-    x, new["conv_post"] = _cached_conv(gen.conv_post, x, caches["conv_post"])
+    x, new["conv_post"] = _cached_conv(gen.conv_post, x, caches["conv_post"], shift)
     return x
 
 
@@ -184,13 +201,13 @@ def generator_step(gen: CausalHiFTGenerator, mel: torch.Tensor, f0: torch.Tensor
     ``source``: ``gen.m_source(f0, noise, phase_in)`` computed by the caller (``f0`` and ``noise`` are then unused):
     a compiler can take the rest of the step while the source's phase rounds as eager code rounds it.
 
-    ``frames [B]`` (final step only): a final step in a fixed *window* of ``c`` frames, each row's utterance ending
-    after ``frames`` of them (the rest of its ``mel`` zeros): the end's reflection, the iSTFT's last frames and its
-    envelope follow each row's end, and a row's first ``480(frames+1)`` samples equal a final step of ``frames``
-    frames (everything past them is discarded). One graph then serves every final step up to ``c`` frames.
-    ``phase_out`` is the window's (a final step's is not used)."""
-    if frames is not None and not final:
-        raise ValueError("frames (a final step in a window) is for the final step")
+    ``frames [B]``: a step in a fixed *window* of ``c`` frames, each row's step only ``frames`` of them long (what
+    lies past them, inputs and outputs, is padding: zeros in, discarded out). One graph then serves every step of up
+    to ``c`` frames. A row's outputs equal a step of ``frames`` frames: for the final step its first
+    ``480(frames+1)`` samples (the end's reflection, the iSTFT's last frames and its envelope follow each row's end;
+    ``phase_out`` is the window's, unused); for a stream step its first ``480 frames`` samples, its ``phase_out``
+    and its caches (each taken at the row's own end, at its stage's rate: the window's padding only ever follows the
+    real frames, and every layer is causal)."""
     if gen.spectral.mode != "conv":
         raise ValueError("the step form needs the generator built with spectral='conv'")
     cfg = gen.config
@@ -201,9 +218,13 @@ def generator_step(gen: CausalHiFTGenerator, mel: torch.Tensor, f0: torch.Tensor
     # Source: frames [a, a+c+1) (stream) or [a, N) (final); the STFT frames [120a, 120(a+c)] from it.
     source, cum = gen.m_source(f0, noise, phase_in) if source is None else source
     phase_out = cum[:, -1] if final else cum[:, -2]
-    # Every slice below is relative to an end with a constant offset, so each shape is affine in c (no data-dependent
-    # sizes for torch.export).
     spf = cfg.samples_per_frame
+    short = None  # a stream step in a window: each row's frames short of the window's, [B, 1, 1]
+    if frames is not None and not final:
+        short = (mel.shape[-1] - cfg.conv_pre_look_right - frames).reshape(-1, 1, 1)
+        phase_out = torch.gather(cum, 1, (frames - 1).reshape(-1, 1, 1).expand(-1, 1, cum.shape[-1]))[:, 0]
+    # Every slice below is relative to an end with a constant offset, so each shape is affine in c (no data-dependent
+    # sizes for torch.export). In a window (short) the ends that carry state are each row's own (_tail).
     head = torch.where(first3, torch.flip(source[..., 1:half + 1], dims=[-1]), caches["source"])
     if final and frames is not None:
         src = _reflected_at(torch.cat([head, source], dim=-1), half + frames * spf, half)
@@ -211,14 +232,14 @@ def generator_step(gen: CausalHiFTGenerator, mel: torch.Tensor, f0: torch.Tensor
         src = torch.cat([head, source, torch.flip(source[..., -half - 1:-1], dims=[-1])], dim=-1)
     else:
         src = torch.cat([head, source[..., : half - spf]], dim=-1)  # up to 8 samples into frame a+c
-        new["source"] = source[..., -spf - half: -spf]
+        new["source"] = _tail(source, half, None if short is None else short * spf, skip=spf)
     s_stft = F.conv1d(src, gen.spectral.stft_kernel, stride=cfg.hop_len)  # 120c + 1 frames
 
     if trunk_dtype is None:
-        x = _trunk(gen, mel, s_stft, first3, caches, new, final)
+        x = _trunk(gen, mel, s_stft, first3, caches, new, final, short)
     else:
         with torch.autocast(mel.device.type, dtype=trunk_dtype):
-            x = _trunk(gen, mel, s_stft, first3, caches, new, final)
+            x = _trunk(gen, mel, s_stft, first3, caches, new, final, short)
         limit = torch.finfo(trunk_dtype).max
         x = torch.nan_to_num(x.float(), nan=0.0, posinf=limit, neginf=-limit)
 
@@ -230,7 +251,7 @@ def generator_step(gen: CausalHiFTGenerator, mel: torch.Tensor, f0: torch.Tensor
     spectrum = torch.cat([magnitude * torch.cos(phase), magnitude * torch.sin(phase)], dim=1)
     exists_here = torch.ones_like(x[:, :1, :])
     if frames is not None:  # a window: the STFT frames past a row's end do not exist (no sound, no envelope)
-        stft_frames = frames.reshape(-1, 1, 1) * (spf // cfg.hop_len) + 1
+        stft_frames = frames.reshape(-1, 1, 1) * (spf // cfg.hop_len) + (1 if final else 0)
         exists_here = (torch.arange(x.shape[-1], device=x.device) < stft_frames).to(x.dtype)
         spectrum = torch.where(exists_here > 0, spectrum, 0.0)  # not a product: 0 * inf of a row's garbage is NaN
     y = F.conv_transpose1d(spectrum, gen.spectral.istft_kernel, stride=cfg.hop_len)  # [B, 1, 4F + 12]
@@ -246,11 +267,11 @@ def generator_step(gen: CausalHiFTGenerator, mel: torch.Tensor, f0: torch.Tensor
         done = y[..., :-half] / envelope[..., :-half]  # the centring trim at the end
     else:
         done = y[..., :-overlap] / envelope[..., :-overlap]
-        new["istft_tail"] = y[..., -overlap:]
+        new["istft_tail"] = _tail(y, overlap, None if short is None else short * spf)
     delay = caches["audio_delay"].shape[-1]
     audio = torch.cat([caches["audio_delay"], done], dim=-1)
     if not final:
-        new["audio_delay"] = audio[..., -delay:]
+        new["audio_delay"] = _tail(audio, delay, None if short is None else short * spf)
         audio = audio[..., :-delay]
     audio = torch.clamp(audio[:, 0, :], -cfg.audio_limit, cfg.audio_limit)
     return audio, phase_out, ({} if final else new)

@@ -58,7 +58,8 @@ def worker_command(backend: Any, kind: str, size: int) -> list[str]:
     return [python_executable(), "-m", "hift_runtime.compile_workers", "--artifacts", str(backend.manifest.root),
             "--precision", backend.precision, "--slots", str(backend.cache_slots), "--device", str(backend.device),
             "--conv-layout", backend.conv_layout, "--cache-layout", backend.cache_layout,
-            "--final-window", "on" if backend.final_window_frames else "off", "--shape", f"{kind}:{size}"]
+            "--final-window", "on" if backend.final_window_frames else "off",
+            "--step-window", "on" if backend.step_window_frames else "off", "--shape", f"{kind}:{size}"]
 
 
 def compile_side_by_side(commands: dict[str, list[str]], processes: int, say: Callable[[str], None],
@@ -106,7 +107,7 @@ def precompile(backend: Any, step_sizes: tuple[int, ...], say: Callable[[str], N
         fcntl.flock(lock, fcntl.LOCK_EX)
         if marker.exists():
             return marker
-        units = compile_units(step_sizes, backend.final_frames)
+        units = compile_units(backend.generator_graph_sizes(step_sizes), backend.final_frames)
         say(f"warmup: a first start: compiling {len(units)} step graphs in {backend.compile_processes} processes "
             f"side by side into inductor's cache (~2 min on an H200)")
         seconds = compile_side_by_side({f"{kind}:{size}": worker_command(backend, kind, size) for kind, size in units},
@@ -134,13 +135,14 @@ def warm_marker(backend: Any, step_sizes: tuple[int, ...]) -> Path:
     what = {"torch": torch.__version__, "arch": str(arch), "precision": backend.precision,
             "conv_layout": backend.conv_layout, "cache_layout": backend.cache_layout,
             "slots": backend.cache_slots, "step_sizes": list(step_sizes), "final_window": backend.final_window_frames,
+            "step_window": backend.step_window_frames,
             "config": backend.manifest.config, "step": backend.manifest.step, "code": code.hexdigest()}
     key = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:24]
     return Path(cache_dir()) / "hift" / f"compiled-{key}.warm"
 
 
 def compile_one(artifacts: str, precision: str, slots: int, device: str, conv_layout: str, cache_layout: str,
-                kind: str, size: int, final_window: bool = True) -> float:
+                kind: str, size: int, final_window: bool = True, step_window: bool = False) -> float:
     """Build the engine's backend as the parent process has it and compile one step shape; seconds."""
     from .compiled import CompiledBackend
     from .manifest import read_manifest
@@ -150,7 +152,8 @@ def compile_one(artifacts: str, precision: str, slots: int, device: str, conv_la
     manifest = read_manifest(artifacts)
     constants = StreamConstants.from_manifest(manifest.config, manifest.step)
     backend = CompiledBackend(manifest, constants, device=device, precision=precision, slots=slots,
-                              conv_layout=conv_layout, cache_layout=cache_layout, final_window=final_window)
+                              conv_layout=conv_layout, cache_layout=cache_layout, final_window=final_window,
+                              step_window=step_window)
     # The noise table is read by the eager source only (outside the compiled part): a short one serves.
     backend.use_noise_table(NoiseTable.seeded(0, 4 * 24 * constants.samples_per_frame, constants.num_sines))
     return backend.compile_shape(kind, size)
@@ -166,11 +169,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cache-layout", default="channels-first")
     p.add_argument("--final-window", choices=["on", "off"], default="on",
                    help="the final step as the engine's window (CompiledBackend(final_window=...))")
+    p.add_argument("--step-window", choices=["on", "off"], default="off",
+                   help="the stream step as the engine's window (CompiledBackend(step_window=...))")
     p.add_argument("--shape", required=True, help="KIND:FRAMES, e.g. generator:24 or final:28")
     args = p.parse_args(argv)
     kind, size = args.shape.split(":")
     seconds = compile_one(args.artifacts, args.precision, args.slots, args.device, args.conv_layout,
-                          args.cache_layout, kind, int(size), args.final_window == "on")
+                          args.cache_layout, kind, int(size), args.final_window == "on", args.step_window == "on")
     print(json.dumps({"shape": args.shape, "seconds": round(seconds, 1)}), flush=True)
 
 

@@ -222,7 +222,9 @@ class CompiledBackend:
     :data:`~hift_runtime.sessions.SHORT_STEP_BATCH_SIZES` is measured there). ``final_window``: the final step as
     one graph over a window of :attr:`final_window_frames` (the largest step size plus the mel look-ahead), each row's
     end an input, instead of a graph of the look-ahead's 4 frames after generator steps (None, the default: on where
-    CUDA graphs are captured).
+    CUDA graphs are captured). ``step_window``: likewise the stream step, one graph of the largest step size for
+    every step up to it (each row's frames an input): no graphs of the shorter sizes, a push's generator work one
+    call per 24 frames (opt-in: not yet measured on a GPU).
     """
 
     caches_in_place = True
@@ -235,7 +237,8 @@ class CompiledBackend:
                  step_sizes: tuple[int, ...] | None = STEP_SIZES, batch_sizes: tuple[int, ...] = BATCH_SIZES,
                  slots: int = 2048, conv_layout: str | None = None, compile_processes: int = 5,
                  cache_layout: str = "channels-first",
-                 short_step_batch_sizes: tuple[int, ...] | None = None, final_window: bool | None = None) -> None:
+                 short_step_batch_sizes: tuple[int, ...] | None = None, final_window: bool | None = None,
+                 step_window: bool = False) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         conv_layout = DEFAULT_CONV_LAYOUT[precision] if conv_layout is None else conv_layout
@@ -265,6 +268,7 @@ class CompiledBackend:
         window = self.cuda_graphs and bool(step_sizes) if final_window is None else final_window
         self.final_window_frames: int | None = (max(step_sizes or STEP_SIZES) + constants.mel_look_ahead
                                                 if window else None)
+        self.step_window_frames: int | None = max(step_sizes or STEP_SIZES) if step_window else None
         self.f0_step_sizes = F0_STEP_SIZES if self.on_cuda and step_sizes else None
         ladder = set(batch_sizes) | set(BATCH_SIZES)  # (sizes above the scheduler's max_batch are dropped below)
         if short_step_batch_sizes is not None and not set(short_step_batch_sizes) <= ladder:
@@ -344,8 +348,9 @@ class CompiledBackend:
         return audio, phase
 
     def _rest(self, mel: torch.Tensor, source: torch.Tensor, cum: torch.Tensor, phase_in: torch.Tensor,
-              first: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._after_source(False, mel, source, cum, phase_in, first, slots)
+              first: torch.Tensor, slots: torch.Tensor, frames: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._after_source(False, mel, source, cum, phase_in, first, slots, frames)
 
     def _final_rest(self, mel: torch.Tensor, source: torch.Tensor, cum: torch.Tensor, phase_in: torch.Tensor,
                     first: torch.Tensor, slots: torch.Tensor, frames: torch.Tensor | None = None
@@ -353,8 +358,9 @@ class CompiledBackend:
         return self._after_source(True, mel, source, cum, phase_in, first, slots, frames)
 
     def _step(self, mel: torch.Tensor, f0: torch.Tensor, start: torch.Tensor, phase_in: torch.Tensor,
-              first: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._rest(mel, *self._source(f0, start, phase_in), phase_in, first, slots)
+              first: torch.Tensor, slots: torch.Tensor, frames: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._rest(mel, *self._source(f0, start, phase_in), phase_in, first, slots, frames)
 
     def _final(self, mel: torch.Tensor, f0: torch.Tensor, start: torch.Tensor, phase_in: torch.Tensor,
                first: torch.Tensor, slots: torch.Tensor, frames: torch.Tensor | None = None
@@ -451,7 +457,7 @@ class CompiledBackend:
         rows = mel.shape[0]
         values = [mel, f0, noise.reshape(rows, 1).astype(np.int64, copy=False), phase_in, first,
                   np.array([s.index for s in slots], np.int64)]
-        if frames is not None:  # a final step in the window: each row's frames
+        if frames is not None:  # a step in a window: each row's frames
             values.append(frames.reshape(rows).astype(np.int64, copy=False))
         size = f0.shape[1] - (0 if final else self.constants.source_look_ahead)
         with self._lock, self._precision():
@@ -507,13 +513,18 @@ class CompiledBackend:
         """Every ``(kind, frames, batch)`` :meth:`warmup` captures, compiles first (the smallest batch of each
         step); sets each step shape's batch sizes (what :meth:`_batch` pads a call to): all of them for the largest
         stream step and the F0 step, ``short_step_batch_sizes`` for the shorter steps and the final step."""
-        ladders = {("generator", size): self.short_step_batch_sizes for size in step_sizes}
-        ladders[("generator", max(step_sizes))] = self.batch_sizes
+        graphs = self.generator_graph_sizes(step_sizes)
+        ladders = {("generator", size): self.short_step_batch_sizes for size in graphs}
+        ladders[("generator", max(graphs))] = self.batch_sizes
         ladders[("final", self.final_frames)] = self.short_step_batch_sizes
         ladders.update({("f0", size): self.batch_sizes for size in self.f0_step_sizes or step_sizes})
         self._ladders = ladders
         return [(kind, size, batch) for group in ("generator", "final", "f0") for batch in self.batch_sizes
                 for (kind, size), ladder in ladders.items() if kind == group and batch in ladder]
+
+    def generator_graph_sizes(self, step_sizes: tuple[int, ...]) -> tuple[int, ...]:
+        """The stream step's graphs for ``step_sizes``: the window's alone, or one per size."""
+        return (self.step_window_frames,) if self.step_window_frames else tuple(step_sizes)
 
     @property
     def final_frames(self) -> int:
@@ -554,8 +565,8 @@ class CompiledBackend:
                     torch.ones(batch, 1, dtype=torch.bool, device=dev), torch.zeros(batch, dtype=torch.int64, device=dev)]
         final = kind == "final"
         mel, src = (size, size) if final else (size + c.mel_look_ahead, size + c.source_look_ahead)
-        window_end = ([torch.full((batch,), size, dtype=torch.int64, device=dev)]
-                      if final and self.final_window_frames is not None else [])
+        windowed = self.final_window_frames if final else self.step_window_frames
+        window_end = [torch.full((batch,), size, dtype=torch.int64, device=dev)] if windowed else []
         return [torch.zeros(batch, c.in_channels, mel, device=dev), torch.zeros(batch, src, device=dev),
                 torch.zeros(batch, 1, dtype=torch.int64, device=dev),
                 torch.zeros(batch, c.num_sines, dtype=torch.float64, device=dev),

@@ -84,6 +84,10 @@ class CudaOptions:
     # frames), so a stream's last push is two calls, not up to five; None (the default): on where CUDA graphs are
     # captured, False: the 4-frame final step after generator steps.
     final_window: bool | None = None
+    # Likewise the stream step: one graph of 24 frames for every step up to 24, each row's frames an input (no graphs
+    # of 8, 4 and 1 frames: three compiles and ~58 s of captures fewer; a push's generator work one call per 24
+    # frames). Opt-in: not yet measured on a GPU.
+    step_window: bool = False
 
     def provider_options(self) -> dict[str, str]:
         return {"device_id": str(self.device_id), "use_tf32": "1" if self.use_tf32 else "0",
@@ -660,9 +664,9 @@ def open_vocoder(artifacts: str | os.PathLike[str], *, device: Device = "auto",
         if cuda.short_step_batch_sizes is not None:
             raise ValueError("CudaOptions.short_step_batch_sizes is the compiled engine's (engine='compiled'); "
                              "ONNX Runtime captures CudaOptions.batch_sizes for every step")
-        if cuda.final_window:
-            raise ValueError("CudaOptions.final_window is the compiled engine's (engine='compiled'); ONNX Runtime's "
-                             "final step takes any count of frames")
+        if cuda.final_window or cuda.step_window:
+            raise ValueError("CudaOptions.final_window and step_window are the compiled engine's (engine='compiled'); "
+                             "ONNX Runtime's steps take any count of frames")
         backend = OrtBackend(manifest, constants, device=device, cuda=cuda, intra_op_threads=intra_op_threads)
         on_gpu = backend.generator_provider == CUDA
     if batching is None:
@@ -712,4 +716,5 @@ def _compiled_backend(manifest: Manifest, constants: StreamConstants, device: st
     return CompiledBackend(manifest, constants, device=target, precision=precision, batch_sizes=batches,
                            slots=cuda.slots, conv_layout=cuda.conv_layout, cache_layout=cuda.cache_layout,
                            compile_processes=cuda.compile_processes,
-                           short_step_batch_sizes=cuda.short_step_batch_sizes, final_window=cuda.final_window)
+                           short_step_batch_sizes=cuda.short_step_batch_sizes, final_window=cuda.final_window,
+                           step_window=cuda.step_window)

@@ -158,7 +158,9 @@ class VocoderBackend(Protocol):
 
         A backend with ``final_window_frames = W`` (an int) is given every final step as a window of ``W`` frames, zero
         past each row's end, and after ``final`` each row's frames ``[B, 1]`` int64 (``hift_export.step``'s
-        ``frames``); a row's audio is its first ``480(frames+1)`` samples."""
+        ``frames``); a row's audio is its first ``480(frames+1)`` samples. One with ``step_window_frames = W`` is
+        given every stream step so (``mel`` of ``W + 4`` frames, ``f0`` of ``W + 1``): a row's audio is its first
+        ``480 frames`` samples, its phase and next caches its own."""
         ...
 
 
@@ -190,12 +192,16 @@ class StreamConstants:
                    f0_caches=tuple(CacheSpec.from_manifest(e) for e in step["f0_caches"]))
 
 
-def split_steps(count: int, sizes: tuple[int, ...] | None, max_size: int | None = None) -> list[int]:
+def split_steps(count: int, sizes: tuple[int, ...] | None, max_size: int | None = None,
+                window: int | None = None) -> list[int]:
     """``count`` frames as steps: greedily the largest allowed sizes (``sizes`` must contain 1, so every count
     splits), or with ``sizes=None`` steps of ``max_size`` and one shorter remainder (one step if ``max_size`` is
-    None)."""
+    None); with a ``window`` (a backend whose one graph takes any step up to that many frames) steps of the window
+    and one shorter remainder."""
     if count <= 0:
         return []
+    if window is not None:
+        return [window] * (count // window) + ([count % window] if count % window else [])
     if sizes is not None and count in sizes:  # the common push (a 24-frame chunk): one step, as the greedy split
         return [count]
     if sizes is None:
@@ -306,6 +312,14 @@ class StreamingVocoder:
         # turn under load. Longer remainders go first as steps of the largest size, so the window must exceed it by
         # the mel look-ahead (those steps need it).
         self.final_window = getattr(backend, "final_window_frames", None)
+        # Likewise for the stream step (opt-in: not yet measured on a GPU): every generator step of up to this many
+        # frames is one call of one graph, so a push is its F0 call and one generator call per this many frames.
+        self.step_window = getattr(backend, "step_window_frames", None)
+        if self.final_window is not None and self.step_window is not None and \
+                self.final_window < self.step_window + constants.mel_look_ahead - 1:
+            raise ValueError(f"the backend's final window ({self.final_window} frames) must be at least its step "
+                             f"window plus the mel look-ahead less one ({self.step_window} + "
+                             f"{constants.mel_look_ahead} - 1)")
         if self.final_window is not None and step_sizes is not None and \
                 self.final_window < step_sizes[0] + constants.mel_look_ahead - 1:
             raise ValueError(f"the backend's final window ({self.final_window} frames) must be at least the largest "
@@ -663,7 +677,7 @@ class VocoderStream:
     def _generator_call(self, kind: str, mel: np.ndarray, f0: np.ndarray, position: int, frames: int,
                         phase: np.ndarray, caches: Any, window_end: np.ndarray | None = None) -> StepCall:
         """A generator (or final) step from ``position``: its noise rows and ``first`` flag are the position's.
-        ``window_end [1, 1]``: a final step in the backend's window, the utterance's frames in it."""
+        ``window_end [1, 1]``: a step in the backend's window, the step's own frames in it."""
         spf = self._c.samples_per_frame
         if self._noise_positions:  # the backend reads the noise table itself: its first row's index is enough
             noise = np.array([[position * spf]], np.int64)
@@ -715,15 +729,22 @@ class VocoderStream:
         phase, caches = self._phase, self._gen_caches
         position, pieces, steps = base, [], []
         limit = min(n - c.mel_look_ahead, f0_end - c.source_look_ahead)
-        window = self._v.final_window if final else None
+        window, step_window = (self._v.final_window if final else None), self._v.step_window
         if window is not None:  # the generator only as far as the window's start, in steps of the largest size
-            unit = sizes[0] if sizes else 1
+            unit = step_window or (sizes[0] if sizes else 1)
             limit = position + max(0, -(-(n - position - window) // unit) * unit)
-        for size in split_steps(limit - position, sizes, max_step):
+        for size in split_steps(limit - position, sizes, max_step, step_window):
             i = position - base
-            audio, phase, caches = yield self._generator_call(
-                "generator", mel[:, i: i + size + c.mel_look_ahead], f0[i: i + size + c.source_look_ahead],
-                position, size + c.source_look_ahead, phase, caches)
+            mel_in, f0_in = mel[:, i: i + size + c.mel_look_ahead], f0[i: i + size + c.source_look_ahead]
+            if step_window is None:
+                audio, phase, caches = yield self._generator_call(
+                    "generator", mel_in, f0_in, position, size + c.source_look_ahead, phase, caches)
+            else:  # padded to the window (zeros past the step); the step's own length is an input
+                audio, phase, caches = yield self._generator_call(
+                    "generator", _padded(mel_in, step_window + c.mel_look_ahead),
+                    _padded(f0_in, step_window + c.source_look_ahead), position,
+                    step_window + c.source_look_ahead, phase, caches, np.array([[size]], np.int64))
+                audio = audio[:, :size * c.samples_per_frame]
             if self._v.phase_mode == "wrapped":
                 phase = phase - np.floor(phase)
             pieces.append(self._emitted(audio, position))

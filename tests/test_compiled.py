@@ -92,54 +92,67 @@ def test_batched_streams_equal_the_ort_engine_alone(small_artifacts, ort_cpu):
     batched.close()
 
 
-def test_a_final_step_in_a_window_equals_the_final_step_of_each_rows_frames(reduced_config):
-    """``hift_export.step.generator_step(final=True, frames=...)``: rows ending at 1, 13 and 28 frames of one
-    28-frame window (zeros past each end), at an utterance's start and mid-stream (random caches), each equal to the
-    final step of its own frames alone: the end's reflection, the iSTFT's last frames and envelope follow each row."""
+@pytest.mark.parametrize("final, window, ends", [(True, 28, [1, 13, 28]), (False, 24, [1, 7, 20, 24])])
+def test_a_step_in_a_window_equals_the_step_of_each_rows_frames(reduced_config, final, window, ends):
+    """``hift_export.step.generator_step(..., frames=...)``: rows ending at ``ends`` frames of one window (zeros past
+    each end), at an utterance's start and mid-stream (random caches), each equal to the step of its own frames alone.
+    The final step: its audio (the end's reflection, the iSTFT's last frames and envelope follow each row). The stream
+    step: its audio, its phase and every cache (each taken at the row's own end, at its stage's rate)."""
     import torch
 
     from hift_export import load_hift
     from hift_export.step import generator_cache_layout, generator_step
 
     gen = load_hift(None, config=reduced_config, spectral="conv").generator
-    spf, sines, window = reduced_config.samples_per_frame, reduced_config.num_sines, 28
+    spf, sines = reduced_config.samples_per_frame, reduced_config.num_sines
+    look, ahead = (0, 0) if final else (reduced_config.conv_pre_look_right, 1)  # mel and source look-ahead
     torch.manual_seed(0)
-    ends = [1, 13, 28]
     rows = len(ends)
-    mel = torch.randn(rows, reduced_config.in_channels, window) - 4
-    f0 = torch.rand(rows, window) * 300
+    mel = torch.randn(rows, reduced_config.in_channels, window + look) - 4
+    f0 = torch.rand(rows, window + ahead) * 300
     for r, end in enumerate(ends):
-        mel[r, :, end:] = 0
-        f0[r, end:] = 0
-    noise = torch.randn(rows, window * spf, sines)
+        mel[r, :, end + look:] = 0
+        f0[r, end + ahead:] = 0
+    noise = torch.randn(rows, (window + ahead) * spf, sines)
     phase = torch.rand(rows, sines, dtype=torch.float64)
     for first in (True, False):
         caches = {e["name"]: (torch.zeros if first else torch.randn)(rows, *e["shape"])
                   for e in generator_cache_layout(reduced_config)}
         flags = torch.full((rows, 1), first)
         with torch.no_grad():
-            audio, _, _ = generator_step(gen, mel, f0, noise, phase, flags, caches, True,
-                                         frames=torch.tensor(ends))
+            audio, phase_out, new = generator_step(gen, mel, f0, noise, phase, flags, caches, final,
+                                                   frames=torch.tensor(ends))
             for r, end in enumerate(ends):
-                alone, _, _ = generator_step(gen, mel[r:r + 1, :, :end], f0[r:r + 1, :end],
-                                             noise[r:r + 1, :end * spf], phase[r:r + 1], flags[r:r + 1],
-                                             {k: v[r:r + 1] for k, v in caches.items()}, True)
-                assert alone.shape[1] == (end + 1) * spf
-                assert max_abs(audio[r, :(end + 1) * spf].numpy(), alone[0].numpy()) <= TOLERANCE, (first, end)
-    with pytest.raises(ValueError, match="final step"):
-        generator_step(gen, mel, f0, noise, phase, flags, caches, False, frames=torch.tensor(ends))
+                alone, alone_phase, alone_new = generator_step(
+                    gen, mel[r:r + 1, :, :end + look], f0[r:r + 1, :end + ahead],
+                    noise[r:r + 1, :(end + ahead) * spf], phase[r:r + 1], flags[r:r + 1],
+                    {k: v[r:r + 1] for k, v in caches.items()}, final)
+                samples = (end + 1 if final else end) * spf
+                assert alone.shape[1] == samples
+                assert max_abs(audio[r, :samples].numpy(), alone[0].numpy()) <= TOLERANCE, (first, end)
+                if final:
+                    continue
+                assert torch.equal(phase_out[r], alone_phase[0])
+                # Caches are activations up to ~5 here: float32 rounding of other convolution blockings, measured
+                # <= 5.5e-6 (the audio stays within TOLERANCE).
+                for name, value in alone_new.items():
+                    assert max_abs(new[name][r].numpy(), value[0].numpy()) <= 1e-5, (first, end, name)
 
 
-def test_streams_ending_in_the_final_window_equal_the_ort_engine(small_artifacts, ort_cpu):
-    """The compiled engine's final window (CudaOptions.final_window; on by default with CUDA graphs), batched:
-    streams ending at many remainders (an utterance of 1 frame whose first push is its last, a finish longer than the
-    window) equal the ONNX Runtime engine's, and a last push of up to 24 new frames is one generator call."""
+@pytest.mark.parametrize("step_window", [False, True])
+def test_streams_ending_in_the_final_window_equal_the_ort_engine(small_artifacts, ort_cpu, step_window):
+    """The compiled engine's final window (CudaOptions.final_window; on by default with CUDA graphs), and with it the
+    stream step's (CudaOptions.step_window, opt-in), batched: streams ending at many remainders (an utterance of 1
+    frame whose first push is its last, a finish longer than the window) equal the ONNX Runtime engine's; a last push
+    of up to 24 new frames is one generator call, and with the step window so is every push of up to 24."""
     from hift_runtime.sessions import CudaOptions
 
     sizes = (24, 8, 4, 1)
     windowed = open_vocoder(small_artifacts.out, device="cpu", engine="compiled", step_sizes=sizes,
-                            cuda=CudaOptions(final_window=True), batching=True, max_wait_ms=5)
+                            cuda=CudaOptions(final_window=True, step_window=step_window), batching=True,
+                            max_wait_ms=5)
     assert windowed.backend.final_window_frames == 28 and windowed.final_window == 28
+    assert windowed.step_window == (24 if step_window else None)
     # (frames, pushes before the finish): the finish gets the rest
     cases = [(250, [24] * 10), (1, []), (3, []), (27, []), (28, []), (29, []), (70, []), (52, [24]), (45, [8, 16]),
              (61, [24, 24])]
@@ -151,6 +164,8 @@ def test_streams_ending_in_the_final_window_equal_the_ort_engine(small_artifacts
         for size in pushes:
             pieces.append(stream.push(mel[:, pos:pos + size]))
             pos += size
+            if step_window:
+                assert stream.stats.generator_calls <= len(pieces)  # one call a push of up to 24 frames
         calls = stream.stats.generator_calls
         pieces.append(stream.finish(mel[:, pos:]))
         return np.concatenate(pieces), stream.stats.generator_calls - calls, mel.shape[1] - pos
@@ -165,11 +180,16 @@ def test_streams_ending_in_the_final_window_equal_the_ort_engine(small_artifacts
     assert windowed.scheduler.stats.by_shape["final@28"][0] == len(cases)
     assert windowed.backend.slots_in_use == 0
     windowed.close()
+    if step_window:
+        plan = {(kind, size) for kind, size, _ in windowed.backend._capture_plan(sizes) if kind != "f0"}
+        assert plan == {("generator", 24), ("final", 28)}  # no graphs of 8, 4 and 1 frames
+        return
     with pytest.raises(ValueError, match="final window"):
         open_vocoder(small_artifacts.out, device="cpu", engine="compiled", step_sizes=(32, 8, 1),
                      cuda=CudaOptions(final_window=True))
-    with pytest.raises(ValueError, match="final_window is the compiled engine's"):
-        open_vocoder(small_artifacts.out, device="cpu", engine="ort", cuda=CudaOptions(final_window=True))
+    for option in ({"final_window": True}, {"step_window": True}):
+        with pytest.raises(ValueError, match="final_window and step_window are the compiled engine's"):
+            open_vocoder(small_artifacts.out, device="cpu", engine="ort", cuda=CudaOptions(**option))
 
 
 def test_a_bad_chunk_leaves_the_stream_and_its_slot_unchanged(ort_cpu, compiled_cpu):
@@ -433,7 +453,7 @@ def test_a_first_warmup_compiles_side_by_side_once(small_artifacts, tmp_path, mo
     engine = SimpleNamespace(manifest=manifest, constants=StreamConstants.from_manifest(manifest.config, manifest.step),
                              precision="fp32", cache_slots=8, device=torch.device("cpu"), conv_layout="channels-last",
                              cache_layout="channels-last", compile_processes=2, final_window_frames=28,
-                             final_frames=28)
+                             final_frames=28, step_window_frames=None, generator_graph_sizes=tuple)
     said: list[str] = []
     # No stream step sizes: the final step's worker alone (its window).
     markers = run_in_threads(lambda _: precompile(engine, (), said.append), range(2), timeout=300)
@@ -454,14 +474,15 @@ def test_the_warm_marker_names_what_the_graphs_depend_on(small_artifacts, tmp_pa
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     base = dict(manifest=read_manifest(small_artifacts.out), precision="fp16", cache_slots=2048,
                 device=torch.device("cpu"), conv_layout="channels-last", cache_layout="channels-first",
-                final_window_frames=28)
+                final_window_frames=28, step_window_frames=None)
     marker = warm_marker(SimpleNamespace(**base), (24, 8, 4, 1))
     assert marker.parent == tmp_path / "hift" and marker == warm_marker(SimpleNamespace(**base), (24, 8, 4, 1))
     others = [warm_marker(SimpleNamespace(**{**base, key: value}), (24, 8, 4, 1))
               for key, value in (("precision", "tf32"), ("conv_layout", "channels-first"), ("cache_slots", 3100),
-                                 ("cache_layout", "channels-last"), ("final_window_frames", None))]
+                                 ("cache_layout", "channels-last"), ("final_window_frames", None),
+                                 ("step_window_frames", 24))]
     others.append(warm_marker(SimpleNamespace(**base), (24, 8)))
-    assert len({marker, *others}) == 7
+    assert len({marker, *others}) == 8
 
 
 def test_time_major_cache_rows_hold_each_cache_transposed():
