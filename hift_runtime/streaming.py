@@ -226,8 +226,8 @@ def _padded(frames: np.ndarray, length: int) -> np.ndarray:
 @dataclass(frozen=True)
 class StepCall:
     """One backend call a push needs: ``kind`` ``"f0"`` (args of ``f0_step``) or ``"generator"``/``"final"`` (args
-    of ``generator_step`` without ``final``; a final step in the backend's window has one more, ``frames``, passed
-    after ``final``). Calls of the same :attr:`key` from different streams can run as one batched call (their arrays
+    of ``generator_step`` without ``final``; a step in the backend's window has one more, ``frames``, passed after
+    ``final``). Calls of the same :attr:`key` from different streams can run as one batched call (their arrays
     are batch-first with one row each)."""
 
     kind: str
@@ -315,16 +315,12 @@ class StreamingVocoder:
         # Likewise for the stream step (opt-in: not yet measured on a GPU): every generator step of up to this many
         # frames is one call of one graph, so a push is its F0 call and one generator call per this many frames.
         self.step_window = getattr(backend, "step_window_frames", None)
-        if self.final_window is not None and self.step_window is not None and \
-                self.final_window < self.step_window + constants.mel_look_ahead - 1:
-            raise ValueError(f"the backend's final window ({self.final_window} frames) must be at least its step "
-                             f"window plus the mel look-ahead less one ({self.step_window} + "
-                             f"{constants.mel_look_ahead} - 1)")
-        if self.final_window is not None and step_sizes is not None and \
-                self.final_window < step_sizes[0] + constants.mel_look_ahead - 1:
+        largest = self.step_window or (step_sizes[0] if step_sizes else None)  # the steps before a final window
+        if self.final_window is not None and largest is not None and \
+                self.final_window < largest + constants.mel_look_ahead - 1:
             raise ValueError(f"the backend's final window ({self.final_window} frames) must be at least the largest "
-                             f"step size plus the mel look-ahead less one ({step_sizes[0]} + "
-                             f"{constants.mel_look_ahead} - 1)")
+                             f"stream step plus the mel look-ahead less one ({largest} + {constants.mel_look_ahead} "
+                             f"- 1)")
         self.max_streams, self.idle_timeout_s = max_streams, idle_timeout_s
         # Open streams (weak: a stream its caller dropped frees its slot) and how many are inside a push right now
         # (a batching scheduler waits for partners only while some may still come).
