@@ -219,9 +219,10 @@ def generator_step(gen: CausalHiFTGenerator, mel: torch.Tensor, f0: torch.Tensor
     source, cum = gen.m_source(f0, noise, phase_in) if source is None else source
     phase_out = cum[:, -1] if final else cum[:, -2]
     spf = cfg.samples_per_frame
-    short = None  # a stream step in a window: each row's frames short of the window's, [B, 1, 1]
+    short = shift = None  # a stream step in a window: each row's frames short of the window's, [B, 1, 1]; samples
     if frames is not None and not final:
         short = (mel.shape[-1] - cfg.conv_pre_look_right - frames).reshape(-1, 1, 1)
+        shift = short * spf
         phase_out = torch.gather(cum, 1, (frames - 1).reshape(-1, 1, 1).expand(-1, 1, cum.shape[-1]))[:, 0]
     # Every slice below is relative to an end with a constant offset, so each shape is affine in c (no data-dependent
     # sizes for torch.export). In a window (short) the ends that carry state are each row's own (_tail).
@@ -232,7 +233,7 @@ def generator_step(gen: CausalHiFTGenerator, mel: torch.Tensor, f0: torch.Tensor
         src = torch.cat([head, source, torch.flip(source[..., -half - 1:-1], dims=[-1])], dim=-1)
     else:
         src = torch.cat([head, source[..., : half - spf]], dim=-1)  # up to 8 samples into frame a+c
-        new["source"] = _tail(source, half, None if short is None else short * spf, skip=spf)
+        new["source"] = _tail(source, half, shift, skip=spf)
     s_stft = F.conv1d(src, gen.spectral.stft_kernel, stride=cfg.hop_len)  # 120c + 1 frames
 
     if trunk_dtype is None:
@@ -267,11 +268,11 @@ def generator_step(gen: CausalHiFTGenerator, mel: torch.Tensor, f0: torch.Tensor
         done = y[..., :-half] / envelope[..., :-half]  # the centring trim at the end
     else:
         done = y[..., :-overlap] / envelope[..., :-overlap]
-        new["istft_tail"] = _tail(y, overlap, None if short is None else short * spf)
+        new["istft_tail"] = _tail(y, overlap, shift)
     delay = caches["audio_delay"].shape[-1]
     audio = torch.cat([caches["audio_delay"], done], dim=-1)
     if not final:
-        new["audio_delay"] = _tail(audio, delay, None if short is None else short * spf)
+        new["audio_delay"] = _tail(audio, delay, shift)
         audio = audio[..., :-delay]
     audio = torch.clamp(audio[:, 0, :], -cfg.audio_limit, cfg.audio_limit)
     return audio, phase_out, ({} if final else new)

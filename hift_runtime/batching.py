@@ -115,9 +115,9 @@ def run_batched(backend: VocoderBackend, calls: list[StepCall]) -> list[Any]:
         f0, nxt = backend.f0_step(mel, _stack([c.args[1] for c in calls]))
         return [(f0[i:i + 1], _row(nxt, i)) for i in range(len(calls))]
     stacked = [concat_rows([c.args[j] for c in calls]) for j in range(5)]
-    window_end = [concat_rows([c.args[6] for c in calls])] if len(calls[0].args) > 6 else []  # a window's final
+    frames = [concat_rows([c.args[6] for c in calls])] if len(calls[0].args) > 6 else []  # a step in a window
     audio, phase, nxt = backend.generator_step(*stacked, _stack([c.args[5] for c in calls]), kind == "final",
-                                               *window_end)
+                                               *frames)
     return [(audio[i:i + 1], phase[i:i + 1], _row(nxt, i)) for i in range(len(calls))]
 
 

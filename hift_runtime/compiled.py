@@ -337,7 +337,7 @@ class CompiledBackend:
                       phase_in: torch.Tensor, first: torch.Tensor, slots: torch.Tensor,
                       frames: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The step after its source (what is compiled): reads the slots' cache rows; a stream step writes them
-        back (the final step leaves them: the stream ends). ``frames``: a final step in the window."""
+        back (the final step leaves them: the stream ends). ``frames``: a step in a window, each row's frames."""
         from hift_export.step import generator_step
 
         caches = self._generator_rows.read(slots, first)
@@ -369,10 +369,10 @@ class CompiledBackend:
 
     def _with_source(self, rest: Callable[..., tuple[torch.Tensor, torch.Tensor]], mel: torch.Tensor,
                      f0: torch.Tensor, start: torch.Tensor, phase_in: torch.Tensor, first: torch.Tensor,
-                     slots: torch.Tensor, *window_end: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                     slots: torch.Tensor, *frames: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The eager source, then the compiled ``rest`` (run at warmup, when the CUDA graphs are captured)."""
         source, cum = self._source(f0, start, phase_in)
-        args = [mel, source, cum, phase_in, first, slots, *window_end]
+        args = [mel, source, cum, phase_in, first, slots, *frames]
         _mark_batch_dynamic(args)  # the source's outputs are new tensors: marked as the step's inputs are
         return rest(*args)
 
@@ -566,12 +566,12 @@ class CompiledBackend:
         final = kind == "final"
         mel, src = (size, size) if final else (size + c.mel_look_ahead, size + c.source_look_ahead)
         windowed = self.final_window_frames if final else self.step_window_frames
-        window_end = [torch.full((batch,), size, dtype=torch.int64, device=dev)] if windowed else []
+        frames = [torch.full((batch,), size, dtype=torch.int64, device=dev)] if windowed else []
         return [torch.zeros(batch, c.in_channels, mel, device=dev), torch.zeros(batch, src, device=dev),
                 torch.zeros(batch, 1, dtype=torch.int64, device=dev),
                 torch.zeros(batch, c.num_sines, dtype=torch.float64, device=dev),
                 torch.ones(batch, 1, dtype=torch.bool, device=dev), torch.zeros(batch, dtype=torch.int64, device=dev),
-                *window_end]
+                *frames]
 
 
 def warmup_summary(seconds: dict[str, float]) -> str:

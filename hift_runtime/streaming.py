@@ -671,20 +671,25 @@ class VocoderStream:
             self._v._unregister(self)
 
     def _generator_call(self, kind: str, mel: np.ndarray, f0: np.ndarray, position: int, frames: int,
-                        phase: np.ndarray, caches: Any, window_end: np.ndarray | None = None) -> StepCall:
-        """A generator (or final) step from ``position``: its noise rows and ``first`` flag are the position's.
-        ``window_end [1, 1]``: a step in the backend's window, the step's own frames in it."""
-        spf = self._c.samples_per_frame
+                        phase: np.ndarray, caches: Any, window: int | None = None) -> StepCall:
+        """A generator (or final) step of ``frames`` frames from ``position``: its noise rows and ``first`` flag are
+        the position's. ``window``: the backend's window for this kind of step; mel and F0 (look-aheads included) are
+        padded with zeros to it, and the step's own frames go after ``final`` (the caller trims the audio)."""
+        c = self._c
+        spf = c.samples_per_frame
+        mel_ahead, source_ahead = (0, 0) if kind == "final" else (c.mel_look_ahead, c.source_look_ahead)
+        if window is not None:
+            mel, f0 = _padded(mel, window + mel_ahead), _padded(f0, window + source_ahead)
         if self._noise_positions:  # the backend reads the noise table itself: its first row's index is enough
             noise = np.array([[position * spf]], np.int64)
         else:
-            noise = self._v.noise.rows(position * spf, frames * spf)[None]
+            noise = self._v.noise.rows(position * spf, ((window or frames) + source_ahead) * spf)[None]
         writes = self._in_place and kind == "generator"  # a final step leaves the caches: the stream ends
         if writes:
             self._caches_written = True  # until the commit, a failure (not a cancellation) loses the stream
         # Every array C-contiguous: a batched call stacks them as bytes (arrays.concat_rows).
         args = (np.ascontiguousarray(mel[None]), f0[None], noise, phase, np.array([[position == 0]]), caches)
-        return StepCall(kind, args if window_end is None else (*args, window_end), writes)
+        return StepCall(kind, args if window is None else (*args, np.array([[frames]], np.int64)), writes)
 
     def _emitted(self, audio: np.ndarray, position: int) -> np.ndarray:
         """A step's audio row, without the samples before the utterance on its first step (the audio lags)."""
@@ -731,15 +736,10 @@ class VocoderStream:
             limit = position + max(0, -(-(n - position - window) // unit) * unit)
         for size in split_steps(limit - position, sizes, max_step, step_window):
             i = position - base
-            mel_in, f0_in = mel[:, i: i + size + c.mel_look_ahead], f0[i: i + size + c.source_look_ahead]
-            if step_window is None:
-                audio, phase, caches = yield self._generator_call(
-                    "generator", mel_in, f0_in, position, size + c.source_look_ahead, phase, caches)
-            else:  # padded to the window (zeros past the step); the step's own length is an input
-                audio, phase, caches = yield self._generator_call(
-                    "generator", _padded(mel_in, step_window + c.mel_look_ahead),
-                    _padded(f0_in, step_window + c.source_look_ahead), position,
-                    step_window + c.source_look_ahead, phase, caches, np.array([[size]], np.int64))
+            audio, phase, caches = yield self._generator_call(
+                "generator", mel[:, i: i + size + c.mel_look_ahead], f0[i: i + size + c.source_look_ahead],
+                position, size, phase, caches, step_window)
+            if step_window is not None:  # the window's padding
                 audio = audio[:, :size * c.samples_per_frame]
             if self._v.phase_mode == "wrapped":
                 phase = phase - np.floor(phase)
@@ -749,12 +749,10 @@ class VocoderStream:
         if final and n > position:
             i = position - base
             frames = n - position
-            if window is None:
-                audio, _, _ = yield self._generator_call("final", mel[:, i:], f0[i:], position, frames, phase, caches)
-            else:  # padded to the window (zeros: finalize's look-ahead); the row's own end is an input
-                audio, _, _ = yield self._generator_call(
-                    "final", _padded(mel[:, i:], window), _padded(f0[i:], window), position, window, phase, caches,
-                    np.array([[frames]], np.int64))
+            # (In a window, zeros past the utterance's end are finalize's look-ahead.)
+            audio, _, _ = yield self._generator_call("final", mel[:, i:], f0[i:], position, frames, phase, caches,
+                                                     window)
+            if window is not None:  # the window's padding
                 audio = audio[:, :(frames + 1) * c.samples_per_frame]
             pieces.append(self._emitted(audio, position))
             steps.append(n - position)
