@@ -224,7 +224,8 @@ class CompiledBackend:
     end an input, instead of a graph of the look-ahead's 4 frames after generator steps (None, the default: on where
     CUDA graphs are captured). ``step_window``: likewise the stream step, one graph of the largest step size for
     every step up to it (each row's frames an input): no graphs of the shorter sizes, a push's generator work one
-    call per 24 frames (opt-in: not yet measured on a GPU).
+    call per 24 frames (opt-in: a faster start, 92.5 s warm against 135-164 s on the H200, but its step costs 13-20 %
+    more device time per row, so it carries fewer streams near the device's capacity; BENCHMARKS.md).
     """
 
     caches_in_place = True

@@ -86,7 +86,8 @@ class CudaOptions:
     final_window: bool | None = None
     # Likewise the stream step: one graph of 24 frames for every step up to 24, each row's frames an input (no graphs
     # of 8, 4 and 1 frames: three compiles and ~58 s of captures fewer; a push's generator work one call per 24
-    # frames). Opt-in: not yet measured on a GPU.
+    # frames). Opt-in: it starts faster but its step costs 13-20 % more device time per row on the H200, so it
+    # carries fewer streams near capacity (BENCHMARKS.md, "The stream step in a window, measured").
     step_window: bool = False
 
     def provider_options(self) -> dict[str, str]:
