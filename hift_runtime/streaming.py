@@ -411,6 +411,12 @@ class StreamingVocoder:
         if self.scheduler is not None:
             self.scheduler.close()
 
+    def __enter__(self) -> "StreamingVocoder":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def vocode(self, mel: np.ndarray) -> np.ndarray:
         """One offline ``finalize=True`` pass over the whole mel: one F0 step, one generator step and the final step
         from the start (the reference a stream equals; its memory grows with the mel's length, a stream's does not)."""

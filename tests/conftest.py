@@ -88,11 +88,22 @@ def pytest_collection_finish(session) -> None:
     """Start the exports the collected tests need in background processes as soon as the tests are known: the
     reduced and the full-size export run side by side on the two cores (together they are most of the suite), one
     thread each (on the 2-core VM 93 / 97 s side by side against 100 / 104 s with torch's threads fighting)."""
+    if session.config.option.collectonly:
+        return
     needed = [which for which in _EXPORT_ARGS
               if any(f"{which}_artifacts" in getattr(item, "fixturenames", ()) for item in session.items)
               and (which == "small" or HAVE_FIXTURES)]
     for which in needed:
         _start_export(which, threads=1 if len(needed) > 1 else None)
+
+
+def pytest_sessionfinish(session) -> None:
+    """An export no test waited for (the run stopped early, or its tests were deselected) is stopped, not left
+    running after pytest."""
+    for _, process in _EXPORTS.values():
+        if process.poll() is None:  # type: ignore[attr-defined]
+            process.kill()  # type: ignore[attr-defined]
+            process.communicate()  # type: ignore[attr-defined]
 
 
 def _start_export(which: str, threads: int | None = None) -> None:

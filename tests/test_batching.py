@@ -28,8 +28,9 @@ def alone(small_artifacts):
 
 
 @pytest.mark.parametrize("n", [1, 3, 17])
-def test_concurrent_streams_through_the_batcher_equal_each_alone(small_artifacts, alone, n):
+def test_concurrent_streams_through_the_batcher_equal_each_alone(small_artifacts, alone, n, request):
     batched = open_vocoder(small_artifacts.out, device="cpu", batching=True, max_wait_ms=5)
+    request.addfinalizer(batched.close)  # its scheduler's threads end with the test
     rng = np.random.default_rng(n)
     mels = [random_mel(int(rng.integers(10, 130)), seed=i) for i in range(n)]
     schedules = [[int(x) for x in rng.integers(0, 30, 10)] + [500] for _ in range(n)]
@@ -67,8 +68,9 @@ def test_calls_queued_behind_the_device_keep_every_stream_exact(small_artifacts,
     batched.close()
 
 
-def test_a_bad_chunk_is_refused_for_its_stream_only(small_artifacts, alone):
+def test_a_bad_chunk_is_refused_for_its_stream_only(small_artifacts, alone, request):
     batched = open_vocoder(small_artifacts.out, device="cpu", batching=True, max_wait_ms=20)
+    request.addfinalizer(batched.close)
     mels = [random_mel(90, seed=40 + i) for i in range(4)]
     expected = [run_stream(alone, m, [30] * 3) for m in mels]
     results, refused = {}, []
@@ -99,12 +101,14 @@ def test_a_bad_chunk_is_refused_for_its_stream_only(small_artifacts, alone):
 
 
 def test_a_lone_stream_does_not_wait_for_partners(small_artifacts):
-    batched = open_vocoder(small_artifacts.out, device="cpu", batching=True, max_wait_ms=500)
     mel = random_mel(100, 3)
-    t0 = time.perf_counter()
-    run_stream(batched, mel, [25] * 4)
+    with open_vocoder(small_artifacts.out, device="cpu", batching=True, max_wait_ms=500) as batched:
+        t0 = time.perf_counter()
+        run_stream(batched, mel, [25] * 4)
     # 5 calls; had any waited for the 500 ms budget, this would take >= 2.5 s.
     assert time.perf_counter() - t0 < 2.0
+    with pytest.raises(SchedulerClosed):  # the with block closed the vocoder
+        batched.stream().push(mel[:, :25])
 
 
 def test_stream_limit_refuses_then_frees(small_artifacts):
