@@ -168,7 +168,7 @@ def export_onnx(hift: HiFT, staging: Path, opset: int, f0_dtype: str, step_contr
     batch = torch.export.Dim("batch", min=1, max=4096)
     protos: dict[str, Any] = {}
     for role, final in ((GENERATOR_STEP, False), (GENERATOR_STEP_FINAL, True)):
-        log(f"[onnx] {role}: exporting through torch.export (the slow part: ~30 s on 2 cores) ...")
+        log(f"[onnx] {role}: exporting through torch.export (the slow part: about a minute on 2 cores) ...")
         t0 = time.perf_counter()
         # Non-final: the root dimension is c+1 (f0 and noise); mel has c+4 frames. Final: c frames everywhere.
         frames = torch.export.Dim("steps", min=1 if final else 2, max=_MAX_FRAMES)
