@@ -314,9 +314,9 @@ def test_keyboard_interrupt_in_the_waiting_thread_cancels_the_push(cpu):
         assert backend.held.wait(10)
         signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # Ctrl-C: wakes the waiting thread
         if not cancelled.wait(5):
-            # Once in ~25 full-suite runs (never in 150 runs of this test alone under load) the OS signal did not
-            # reach the interpreter; what is tested is the push's cancel on KeyboardInterrupt, so hand the
-            # interpreter the interrupt directly and leave a warning with the main thread's signal state.
+            # Once, in a full-suite run, the OS signal did not reach the interpreter in 30 s (never in 190 runs of
+            # this test alone, under load too); what is tested is the push's cancel on KeyboardInterrupt, so hand
+            # the interpreter the interrupt directly and leave a warning with the main thread's signal state.
             warnings.warn(f"SIGINT did not reach the main thread in 5 s ({_signal_state()}); "
                           "interrupting it directly", RuntimeWarning)
             _thread.interrupt_main()
