@@ -5,13 +5,10 @@ waiting; idle time counts from the end of a push; counters keep their precision.
 
 from __future__ import annotations
 
-import _thread
 import asyncio
 import signal
 import threading
 import time
-import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -301,7 +298,17 @@ def test_a_cancelled_push_that_wrote_in_place_caches_completes(cpu):
     vocoder.close()
 
 
-def test_keyboard_interrupt_in_the_waiting_thread_cancels_the_push(cpu):
+@pytest.fixture
+def ctrl_c_raises():
+    """SIGINT raising KeyboardInterrupt for the test: a process started as a background job of a non-interactive
+    shell (``cmd &``) inherits SIGINT ignored, and Python then leaves it ignored (two CI-like runs started so
+    failed this test: the signal never reached the interpreter)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_keyboard_interrupt_in_the_waiting_thread_cancels_the_push(cpu, ctrl_c_raises):
     vocoder, backend = faulty_vocoder(cpu, batching=True)
     mel = random_mel(40, seed=32)
     stream = vocoder.stream()
@@ -313,13 +320,6 @@ def test_keyboard_interrupt_in_the_waiting_thread_cancels_the_push(cpu):
     def interrupt():
         assert backend.held.wait(10)
         signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # Ctrl-C: wakes the waiting thread
-        if not cancelled.wait(5):
-            # Once, in a full-suite run, the OS signal did not reach the interpreter in 30 s (never in 190 runs of
-            # this test alone, under load too); what is tested is the push's cancel on KeyboardInterrupt, so hand
-            # the interpreter the interrupt directly and leave a warning with the main thread's signal state.
-            warnings.warn(f"SIGINT did not reach the main thread in 5 s ({_signal_state()}); "
-                          "interrupting it directly", RuntimeWarning)
-            _thread.interrupt_main()
         assert cancelled.wait(10)  # the call on the device lands only after the push was cancelled
         backend.gate.set()
 
@@ -331,15 +331,6 @@ def test_keyboard_interrupt_in_the_waiting_thread_cancels_the_push(cpu):
     time.sleep(0.2)  # had the scheduler gone on with the push, it would have committed by now
     assert stream.frames_in == 0
     assert_retry_equals_offline(vocoder, backend, stream, mel, cpu)
-
-
-def _signal_state() -> str:
-    """The main thread's signal masks from /proc (Linux), for a warning."""
-    try:
-        status = Path(f"/proc/self/task/{threading.main_thread().native_id}/status").read_text()
-    except OSError:
-        return "no /proc"
-    return ", ".join(line.replace("\t", " ") for line in status.splitlines() if line.startswith("Sig"))
 
 
 def test_cancelling_apush_cancels_the_push(cpu):
