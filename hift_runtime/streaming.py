@@ -312,10 +312,13 @@ class StreamingVocoder:
         # turn under load. Longer remainders go first as steps of the largest size, so the window must exceed it by
         # the mel look-ahead (those steps need it).
         self.final_window = getattr(backend, "final_window_frames", None)
-        # Likewise for the stream step (opt-in: not yet measured on a GPU): every generator step of up to this many
-        # frames is one call of one graph, so a push is its F0 call and one generator call per this many frames.
+        # Likewise for the stream step (opt-in: a faster start, more device time per row; BENCHMARKS.md): every
+        # generator step of up to this many frames is one call of one graph, so a push is its F0 call and one
+        # generator call per this many frames.
         self.step_window = getattr(backend, "step_window_frames", None)
-        largest = self.step_window or (step_sizes[0] if step_sizes else None)  # the steps before a final window
+        # The size of the steps that reach a final window's start (None: sizes unbounded, any count is one step).
+        self.steps_before_final_window = self.step_window or (step_sizes[0] if step_sizes else None)
+        largest = self.steps_before_final_window
         if self.final_window is not None and largest is not None and \
                 self.final_window < largest + constants.mel_look_ahead - 1:
             raise ValueError(f"the backend's final window ({self.final_window} frames) must be at least the largest "
@@ -738,7 +741,7 @@ class VocoderStream:
         limit = min(n - c.mel_look_ahead, f0_end - c.source_look_ahead)
         window, step_window = (self._v.final_window if final else None), self._v.step_window
         if window is not None:  # the generator only as far as the window's start, in steps of the largest size
-            unit = step_window or (sizes[0] if sizes else 1)
+            unit = self._v.steps_before_final_window or 1
             limit = position + max(0, -(-(n - position - window) // unit) * unit)
         for size in split_steps(limit - position, sizes, max_step, step_window):
             i = position - base
