@@ -473,9 +473,6 @@ def main() -> None:
     p.add_argument("--step-window", action="store_true",
                    help="the compiled engine's stream step as one graph over its window (CudaOptions.step_window: "
                         "a faster start, more device time per row)")
-    p.add_argument("--aot-packages", action="store_true",
-                   help="the compiled engine's step graphs as AOTInductor packages (CudaOptions.aot_packages: built "
-                        "at a first start, loaded without re-tracing by later ones)")
     p.add_argument("--inline-lone-calls", choices=["on", "off"], default=None,
                    help="the scheduler's inline_lone_calls (in process: a quiet lone push's calls in the scheduling "
                         "thread; default: the engine's, on for the compiled engine's CUDA graphs)")
@@ -576,7 +573,7 @@ def main() -> None:
                                                else tuple(int(b) for b in args.short_step_batches.split(",")))
                 if args.final_window:
                     cuda = dataclasses.replace(cuda, final_window=args.final_window == "on")
-                cuda = dataclasses.replace(cuda, step_window=args.step_window, aot_packages=args.aot_packages)
+                cuda = dataclasses.replace(cuda, step_window=args.step_window)
             precision = args.precision if engine == "compiled" else ("tf32" if cuda.use_tf32 else args.precision)
             vocoder = open_vocoder(args.artifacts, device=args.device, cuda=cuda, batching=options[1], engine=engine,
                                    precision=precision, devices=args.gpus)
@@ -620,7 +617,6 @@ def main() -> None:
                                       "short_step_batch_sizes": getattr(backend, "short_step_batch_sizes", None),
                                       "final_window_frames": getattr(backend, "final_window_frames", None),
                                       "step_window_frames": getattr(backend, "step_window_frames", None),
-                                      "aot_packages": getattr(backend, "aot_packages", None),
                                       "engine": (f"hift-serve --frontend {args.served_frontend} --engine {args.engine} --precision {args.precision}"
                                                  + (f" x {args.served_processes} processes" if args.served_processes > 1 else "")
                                                  if name == "served" else

@@ -36,7 +36,7 @@ from typing import Any
 # Source files whose code shapes the compiled graphs: a change in them makes the marker stale (inductor's own keys
 # change with the graphs; the marker must not claim a warm cache that no longer matches).
 _GRAPH_SOURCES = ("hift_export/step.py", "hift_export/layers.py", "hift_export/generator.py",
-                  "hift_export/spectral_ops.py", "hift_runtime/compiled.py", "hift_runtime/aot_packages.py")
+                  "hift_export/spectral_ops.py", "hift_runtime/compiled.py")
 
 
 def python_executable() -> str:
@@ -59,8 +59,7 @@ def worker_command(backend: Any, kind: str, size: int) -> list[str]:
             "--precision", backend.precision, "--slots", str(backend.cache_slots), "--device", str(backend.device),
             "--conv-layout", backend.conv_layout, "--cache-layout", backend.cache_layout,
             "--final-window", "on" if backend.final_window_frames else "off",
-            "--step-window", "on" if backend.step_window_frames else "off",
-            "--aot-packages", "on" if backend.aot_packages else "off", "--shape", f"{kind}:{size}"]
+            "--step-window", "on" if backend.step_window_frames else "off", "--shape", f"{kind}:{size}"]
 
 
 def compile_side_by_side(commands: dict[str, list[str]], processes: int, say: Callable[[str], None],
@@ -108,13 +107,8 @@ def precompile(backend: Any, step_sizes: tuple[int, ...], say: Callable[[str], N
         fcntl.flock(lock, fcntl.LOCK_EX)
         if marker.exists():
             return marker
-        units = [unit for unit in compile_units(backend.generator_graph_sizes(step_sizes), backend.final_frames)
-                 if not backend.is_built(*unit)]
-        if not units:  # (AOTInductor packages: every one built, by an earlier start of other step sizes)
-            marker.touch()
-            return marker
-        what = "AOTInductor packages" if backend.aot_packages else "step graphs"
-        say(f"warmup: a first start: compiling {len(units)} {what} in {backend.compile_processes} processes "
+        units = compile_units(backend.generator_graph_sizes(step_sizes), backend.final_frames)
+        say(f"warmup: a first start: compiling {len(units)} step graphs in {backend.compile_processes} processes "
             f"side by side into inductor's cache (~2 min on an H200)")
         seconds = compile_side_by_side({f"{kind}:{size}": worker_command(backend, kind, size) for kind, size in units},
                                        backend.compile_processes, say)
@@ -125,18 +119,11 @@ def precompile(backend: Any, step_sizes: tuple[int, ...], say: Callable[[str], N
 
 def warm_marker(backend: Any, step_sizes: tuple[int, ...]) -> Path:
     """The file whose presence says inductor's cache holds ``backend``'s compiled graphs (written after a warmup):
-    in inductor's cache folder (``TORCHINDUCTOR_CACHE_DIR``), named by :func:`graphs_key` and the step sizes."""
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    key = hashlib.sha256(json.dumps([graphs_key(backend), list(step_sizes)]).encode()).hexdigest()[:24]
-    return Path(cache_dir()) / "hift" / f"compiled-{key}.warm"
-
-
-def graphs_key(backend: Any) -> str:
-    """A hash of what ``backend``'s compiled graphs depend on: torch's version, the device's architecture, the
-    precision, layouts, device cache slots, windows and compiler form, the model's config and step contract, the code
-    that builds the graphs."""
+    in inductor's cache folder (``TORCHINDUCTOR_CACHE_DIR``), named by a hash of what the graphs depend on (torch's
+    version, the device's architecture, the precision, layout, cache slots and step sizes, the model's config and step
+    contract, the code that builds the graphs)."""
     import torch
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     root = Path(__file__).resolve().parent.parent
     code = hashlib.sha256()
@@ -147,15 +134,15 @@ def graphs_key(backend: Any) -> str:
     arch = torch.cuda.get_device_capability(device) if device.type == "cuda" else "cpu"
     what = {"torch": torch.__version__, "arch": str(arch), "precision": backend.precision,
             "conv_layout": backend.conv_layout, "cache_layout": backend.cache_layout,
-            "slots": backend.cache_slots, "final_window": backend.final_window_frames,
-            "step_window": backend.step_window_frames, "aot_packages": backend.aot_packages,
+            "slots": backend.cache_slots, "step_sizes": list(step_sizes), "final_window": backend.final_window_frames,
+            "step_window": backend.step_window_frames,
             "config": backend.manifest.config, "step": backend.manifest.step, "code": code.hexdigest()}
-    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
+    key = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:24]
+    return Path(cache_dir()) / "hift" / f"compiled-{key}.warm"
 
 
 def compile_one(artifacts: str, precision: str, slots: int, device: str, conv_layout: str, cache_layout: str,
-                kind: str, size: int, final_window: bool = True, step_window: bool = False,
-                aot_packages: bool = False) -> float:
+                kind: str, size: int, final_window: bool = True, step_window: bool = False) -> float:
     """Build the engine's backend as the parent process has it and compile one step shape; seconds."""
     from .compiled import CompiledBackend
     from .manifest import read_manifest
@@ -166,7 +153,7 @@ def compile_one(artifacts: str, precision: str, slots: int, device: str, conv_la
     constants = StreamConstants.from_manifest(manifest.config, manifest.step)
     backend = CompiledBackend(manifest, constants, device=device, precision=precision, slots=slots,
                               conv_layout=conv_layout, cache_layout=cache_layout, final_window=final_window,
-                              step_window=step_window, aot_packages=aot_packages)
+                              step_window=step_window)
     # The noise table is read by the eager source only (outside the compiled part): a short one serves.
     backend.use_noise_table(NoiseTable.seeded(0, 4 * 24 * constants.samples_per_frame, constants.num_sines))
     return backend.compile_shape(kind, size)
@@ -184,14 +171,11 @@ def main(argv: list[str] | None = None) -> None:
                    help="the final step as the engine's window (CompiledBackend(final_window=...))")
     p.add_argument("--step-window", choices=["on", "off"], default="off",
                    help="the stream step as the engine's window (CompiledBackend(step_window=...))")
-    p.add_argument("--aot-packages", choices=["on", "off"], default="off",
-                   help="build the step's AOTInductor package (CompiledBackend(aot_packages=...))")
     p.add_argument("--shape", required=True, help="KIND:FRAMES, e.g. generator:24 or final:28")
     args = p.parse_args(argv)
     kind, size = args.shape.split(":")
     seconds = compile_one(args.artifacts, args.precision, args.slots, args.device, args.conv_layout,
-                          args.cache_layout, kind, int(size), args.final_window == "on", args.step_window == "on",
-                          args.aot_packages == "on")
+                          args.cache_layout, kind, int(size), args.final_window == "on", args.step_window == "on")
     print(json.dumps({"shape": args.shape, "seconds": round(seconds, 1)}), flush=True)
 
 

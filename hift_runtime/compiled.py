@@ -187,11 +187,9 @@ class _CacheRows:
         self.slots = SlotRows(rows, "slots=...")
         self.pool = torch.zeros(rows, sum(self.sizes), dtype=dtype, device=device)
 
-    def read(self, slots: torch.Tensor, first: torch.Tensor, pool: torch.Tensor | None = None
-             ) -> dict[str, torch.Tensor]:
-        """The slots' caches, each ``[B, C, T]``; zeros where ``first`` (a stream's start) instead of the row.
-        ``pool``: this pool as an input of an exported step (:mod:`~hift_runtime.aot_packages`)."""
-        rows = (self.pool if pool is None else pool).index_select(0, slots)
+    def read(self, slots: torch.Tensor, first: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The slots' caches, each ``[B, C, T]``; zeros where ``first`` (a stream's start) instead of the row."""
+        rows = self.pool.index_select(0, slots)
         rows = torch.where(first, torch.zeros((), dtype=rows.dtype, device=rows.device), rows)
         parts = torch.split(rows, self.sizes, dim=1)
         if self.layout == "channels-last":
@@ -199,16 +197,14 @@ class _CacheRows:
                     for name, shape, part in zip(self.names, self.shapes, parts)}
         return {name: part.reshape(-1, *shape) for name, shape, part in zip(self.names, self.shapes, parts)}
 
-    def write(self, slots: torch.Tensor, caches: dict[str, torch.Tensor], pool: torch.Tensor | None = None) -> None:
-        """``caches`` (as :meth:`read` gives them, any float dtype) into the slots' rows (of ``pool``, as in
-        :meth:`read`)."""
+    def write(self, slots: torch.Tensor, caches: dict[str, torch.Tensor]) -> None:
+        """``caches`` (as :meth:`read` gives them, any float dtype) into the slots' rows."""
         batch = slots.shape[0]
         if self.layout == "channels-last":
             pieces = [caches[name].transpose(1, 2).reshape(batch, -1) for name in self.names]
         else:
             pieces = [caches[name].reshape(batch, -1) for name in self.names]
-        pool = self.pool if pool is None else pool
-        pool.index_copy_(0, slots, torch.cat([piece.to(pool.dtype) for piece in pieces], dim=1))
+        self.pool.index_copy_(0, slots, torch.cat([piece.to(self.pool.dtype) for piece in pieces], dim=1))
 
 
 class CompiledBackend:
@@ -230,8 +226,6 @@ class CompiledBackend:
     every step up to it (each row's frames an input): no graphs of the shorter sizes, a push's generator work one
     call per 24 frames (opt-in: a faster start, 92.5 s warm against 135-164 s on the H200, but its step costs 13-20 %
     more device time per row, so it carries fewer streams near the device's capacity; BENCHMARKS.md).
-    ``aot_packages``: the step graphs as AOTInductor packages (:mod:`~hift_runtime.aot_packages`), built at a first
-    start and loaded by later ones without dynamo's re-tracing, instead of ``torch.compile`` (opt-in).
     """
 
     caches_in_place = True
@@ -245,7 +239,7 @@ class CompiledBackend:
                  slots: int = 2048, conv_layout: str | None = None, compile_processes: int = 5,
                  cache_layout: str = "channels-first",
                  short_step_batch_sizes: tuple[int, ...] | None = None, final_window: bool | None = None,
-                 step_window: bool = False, aot_packages: bool = False) -> None:
+                 step_window: bool = False) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         conv_layout = DEFAULT_CONV_LAYOUT[precision] if conv_layout is None else conv_layout
@@ -264,10 +258,7 @@ class CompiledBackend:
         self.cache_layout = cache_layout
         self.compile_processes = compile_processes
         self.on_cuda = self.device.type == "cuda"
-        if aot_packages and compile is False:
-            raise ValueError("aot_packages=True compiles the steps ahead of time; it cannot be used with compile=False")
-        self.compiled = (self.on_cuda or aot_packages) if compile is None else compile
-        self.aot_packages = aot_packages
+        self.compiled = self.on_cuda if compile is None else compile
         self.cuda_graphs = cuda_graphs and self.on_cuda
         # A call is a graph replay and its wait (0.2-2 ms): short enough for a quiet lone push's calls to be made in
         # the scheduling thread (PushScheduler.inline_lone_calls); an eager call on the CPU is not.
@@ -290,8 +281,7 @@ class CompiledBackend:
                                                    {self.batch_sizes[-1]}))
         # Each captured step shape's batch sizes ((kind, frames) -> ladder), set by warmup.
         self._ladders: dict[tuple[str, int], tuple[int, ...]] = {}
-        form = "compiled-aoti" if aot_packages else "compiled"
-        self.name = f"{form}[{self.device.type}:{precision}]" if self.compiled else f"torch[{self.device.type}]"
+        self.name = f"compiled[{self.device.type}:{precision}]" if self.compiled else f"torch[{self.device.type}]"
         self.generator, self.predictor = load_folded(manifest, self.device)
         if conv_layout == "channels-last":
             from hift_export.layers import store_channels_last
@@ -313,17 +303,15 @@ class CompiledBackend:
         # Compiled forms are called only at warmup, on the shapes it captures; every other shape (a final step
         # shorter than the look-ahead, an offline pass) runs the same code eagerly: nothing compiles after warmup.
         self._compiled = {"generator": self._step, "final": self._final, "f0": self._f0}
-        # Channels-last as measured: inductor's layout optimization forced (it keeps the activations NHWC between
-        # the convolutions; left to its heuristics, it decides per graph).
-        self.inductor_options = {"force_layout_optimization": True} if conv_layout == "channels-last" else None
-        self._packages: dict[tuple[str, int], Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {}
-        if self.compiled and not aot_packages:
+        if self.compiled:
             import torch._dynamo as dynamo
 
             dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, RECOMPILE_LIMIT)
             # Not dynamic=False: it ignores mark_dynamic and compiles every batch size anew (on the H200 the warmup
             # then ran past 5 minutes). Warmup marks the batch dynamic and every other dimension static.
-            options = self.inductor_options
+            # Channels-last as measured: inductor's layout optimization forced (it keeps the activations NHWC between
+            # the convolutions; left to its heuristics, it decides per graph).
+            options = {"force_layout_optimization": True} if conv_layout == "channels-last" else None
             self._compiled["generator"] = functools.partial(self._with_source, torch.compile(self._rest,
                                                                                              options=options))
             self._compiled["final"] = functools.partial(self._with_source, torch.compile(self._final_rest,
@@ -348,18 +336,16 @@ class CompiledBackend:
 
     def _after_source(self, final: bool, mel: torch.Tensor, source: torch.Tensor, cum: torch.Tensor,
                       phase_in: torch.Tensor, first: torch.Tensor, slots: torch.Tensor,
-                      frames: torch.Tensor | None = None, pool: torch.Tensor | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      frames: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The step after its source (what is compiled): reads the slots' cache rows; a stream step writes them
-        back (the final step leaves them: the stream ends). ``frames``: a step in a window, each row's frames.
-        ``pool``: the generator's cache pool as an input (an AOTInductor package's; None: the engine's own)."""
+        back (the final step leaves them: the stream ends). ``frames``: a step in a window, each row's frames."""
         from hift_export.step import generator_step
 
-        caches = self._generator_rows.read(slots, first, pool)
+        caches = self._generator_rows.read(slots, first)
         audio, phase, new = generator_step(self.generator, mel, None, None, phase_in, first, caches, final,
                                            self._trunk_dtype, source=(source, cum), frames=frames)
         if not final:
-            self._generator_rows.write(slots, new, pool)
+            self._generator_rows.write(slots, new)
         return audio, phase
 
     def _rest(self, mel: torch.Tensor, source: torch.Tensor, cum: torch.Tensor, phase_in: torch.Tensor,
@@ -414,11 +400,6 @@ class CompiledBackend:
     def cache_slots(self) -> int:
         """Device cache rows for streams (the constructor's ``slots``; row 0 is scratch)."""
         return self._generator_rows.slots.rows - 1
-
-    @property
-    def generator_pool(self) -> torch.Tensor:
-        """The generator's device cache rows ``[slots + 1, R]`` (an AOTInductor package's first input)."""
-        return self._generator_rows.pool
 
     def stream_capacity(self) -> int:
         return max(1, self.cache_slots - OFFLINE_SLOTS)
@@ -504,14 +485,12 @@ class CompiledBackend:
 
             marker = precompile(self, step_sizes, say)
         shapes = self._capture_plan(step_sizes)
-        if self.aot_packages:
-            self._load_packages(step_sizes, say)
         with self._lock, self._precision():
             for i, (kind, size, batch) in enumerate(shapes):
                 if (kind, size, batch) in self._graphs:
                     continue
                 shape_started = time.perf_counter()
-                fn = self._step_function(kind, size)
+                fn = self._compiled[kind]
                 example = self._example(kind, size, batch)
                 if self.cuda_graphs:
                     self._graphs[(kind, size, batch)] = _Captured(
@@ -544,35 +523,6 @@ class CompiledBackend:
         return [(kind, size, batch) for group in ("generator", "final", "f0") for batch in self.batch_sizes
                 for (kind, size), ladder in ladders.items() if kind == group and batch in ladder]
 
-    def _load_packages(self, step_sizes: tuple[int, ...], say: Callable[[str], None]) -> None:
-        """Each step graph's AOTInductor package, built here where no worker built it (a first start in turn, or
-        a worker that failed)."""
-        from .aot_packages import load_package
-        from .compile_workers import compile_units
-
-        started = time.perf_counter()
-        for kind, size in compile_units(self.generator_graph_sizes(step_sizes), self.final_frames):
-            if not self.is_built(kind, size):
-                say(f"warmup: building the AOTInductor package of {kind}:{size} in this process")
-                self.compile_shape(kind, size)
-            self._packages[(kind, size)] = load_package(self, kind, size)
-        say(f"warmup: {len(self._packages)} AOTInductor packages loaded ({time.perf_counter() - started:.1f} s)")
-
-    def _step_function(self, kind: str, size: int) -> Callable[..., tuple[torch.Tensor, ...]]:
-        """What warmup runs and captures for step ``kind`` of ``size`` frames: its AOTInductor package after the
-        eager source, or the compiled (or eager) step."""
-        package = self._packages.get((kind, size))
-        return functools.partial(self._with_source, package) if package is not None else self._compiled[kind]
-
-    def is_built(self, kind: str, size: int) -> bool:
-        """Whether the step ``kind`` x ``size`` is already compiled where a start reads it (an AOTInductor package on
-        disk; with torch.compile the warm marker says so for all graphs at once: False)."""
-        if not self.aot_packages:
-            return False
-        from .aot_packages import package_path
-
-        return package_path(self, kind, size).is_file()
-
     def generator_graph_sizes(self, step_sizes: tuple[int, ...]) -> tuple[int, ...]:
         """The stream step's graphs for ``step_sizes``: the window's alone, or one per size."""
         return (self.step_window_frames,) if self.step_window_frames else tuple(step_sizes)
@@ -585,12 +535,7 @@ class CompiledBackend:
     def compile_shape(self, kind: str, size: int) -> float:
         """Compile the step ``kind`` of ``size`` frames as :meth:`warmup` compiles it (the same inputs, at the
         smallest batch), without capturing: what fills inductor's on-disk cache for a later warmup, or profiles the
-        step (``benchmarks/precompile.py``, ``benchmarks/profile_compiled.py``); with ``aot_packages``, build the
-        step's package (:func:`~hift_runtime.aot_packages.build_package`). Seconds."""
-        if self.aot_packages and kind != "f0":
-            from .aot_packages import build_package
-
-            return build_package(self, kind, size)
+        step (``benchmarks/precompile.py``, ``benchmarks/profile_compiled.py``). Seconds."""
         started = time.perf_counter()
         with self._precision():
             self._compiled[kind](*self._example(kind, size, self.batch_sizes[0]))

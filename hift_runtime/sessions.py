@@ -89,10 +89,6 @@ class CudaOptions:
     # frames). Opt-in: it starts faster but its step costs 13-20 % more device time per row on the H200, so it
     # carries fewer streams near capacity (BENCHMARKS.md, "The stream step in a window, measured").
     step_window: bool = False
-    # The compiled engine's step graphs as AOTInductor packages, built into inductor's cache folder at a first start
-    # and loaded by later ones without dynamo's re-tracing of every step (hift_runtime.aot_packages); False (the
-    # default): torch.compile.
-    aot_packages: bool = False
 
     def provider_options(self) -> dict[str, str]:
         return {"device_id": str(self.device_id), "use_tf32": "1" if self.use_tf32 else "0",
@@ -672,9 +668,6 @@ def open_vocoder(artifacts: str | os.PathLike[str], *, device: Device = "auto",
         if cuda.final_window or cuda.step_window:
             raise ValueError("CudaOptions.final_window and step_window are the compiled engine's (engine='compiled'); "
                              "ONNX Runtime's steps take any count of frames")
-        if cuda.aot_packages:
-            raise ValueError("CudaOptions.aot_packages is the compiled engine's (engine='compiled'); ONNX Runtime "
-                             "loads the exported ONNX graphs")
         backend = OrtBackend(manifest, constants, device=device, cuda=cuda, intra_op_threads=intra_op_threads)
         on_gpu = backend.generator_provider == CUDA
     if batching is None:
@@ -725,4 +718,4 @@ def _compiled_backend(manifest: Manifest, constants: StreamConstants, device: st
                            slots=cuda.slots, conv_layout=cuda.conv_layout, cache_layout=cuda.cache_layout,
                            compile_processes=cuda.compile_processes,
                            short_step_batch_sizes=cuda.short_step_batch_sizes, final_window=cuda.final_window,
-                           step_window=cuda.step_window, aot_packages=cuda.aot_packages)
+                           step_window=cuda.step_window)

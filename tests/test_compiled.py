@@ -190,8 +190,6 @@ def test_streams_ending_in_the_final_window_equal_the_ort_engine(small_artifacts
     for option in ({"final_window": True}, {"step_window": True}):
         with pytest.raises(ValueError, match="final_window and step_window are the compiled engine's"):
             open_vocoder(small_artifacts.out, device="cpu", engine="ort", cuda=CudaOptions(**option))
-    with pytest.raises(ValueError, match="aot_packages is the compiled engine's"):
-        open_vocoder(small_artifacts.out, device="cpu", engine="ort", cuda=CudaOptions(aot_packages=True))
 
 
 def test_a_bad_chunk_leaves_the_stream_and_its_slot_unchanged(ort_cpu, compiled_cpu):
@@ -455,8 +453,7 @@ def test_a_first_warmup_compiles_side_by_side_once(small_artifacts, tmp_path, mo
     engine = SimpleNamespace(manifest=manifest, constants=StreamConstants.from_manifest(manifest.config, manifest.step),
                              precision="fp32", cache_slots=8, device=torch.device("cpu"), conv_layout="channels-last",
                              cache_layout="channels-last", compile_processes=2, final_window_frames=28,
-                             final_frames=28, step_window_frames=None, generator_graph_sizes=tuple,
-                             aot_packages=False, is_built=lambda kind, size: False)
+                             final_frames=28, step_window_frames=None, generator_graph_sizes=tuple)
     said: list[str] = []
     # No stream step sizes: the final step's worker alone (its window).
     markers = run_in_threads(lambda _: precompile(engine, (), said.append), range(2), timeout=300)
@@ -477,15 +474,15 @@ def test_the_warm_marker_names_what_the_graphs_depend_on(small_artifacts, tmp_pa
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     base = dict(manifest=read_manifest(small_artifacts.out), precision="fp16", cache_slots=2048,
                 device=torch.device("cpu"), conv_layout="channels-last", cache_layout="channels-first",
-                final_window_frames=28, step_window_frames=None, aot_packages=False)
+                final_window_frames=28, step_window_frames=None)
     marker = warm_marker(SimpleNamespace(**base), (24, 8, 4, 1))
     assert marker.parent == tmp_path / "hift" and marker == warm_marker(SimpleNamespace(**base), (24, 8, 4, 1))
     others = [warm_marker(SimpleNamespace(**{**base, key: value}), (24, 8, 4, 1))
               for key, value in (("precision", "tf32"), ("conv_layout", "channels-first"), ("cache_slots", 3100),
                                  ("cache_layout", "channels-last"), ("final_window_frames", None),
-                                 ("step_window_frames", 24), ("aot_packages", True))]
+                                 ("step_window_frames", 24))]
     others.append(warm_marker(SimpleNamespace(**base), (24, 8)))
-    assert len({marker, *others}) == 9
+    assert len({marker, *others}) == 8
 
 
 def test_time_major_cache_rows_hold_each_cache_transposed():
