@@ -1,16 +1,24 @@
-"""How many algorithms cuDNN's benchmark tries per convolution shape (``torch.backends.cudnn.benchmark_limit``; torch's
-default 10) against what a warm start's captures cost and how fast the chosen algorithms run. Not a test.
+"""What a warmup's captures cost against how cuDNN chooses its algorithms, and how fast the chosen ones run. Not a
+test.
 
-A warm start of the compiled engine spends about a third of its warmup in cuDNN's benchmark (BENCHMARKS.md, "Where a
-warm start goes": ``torch.convolution`` 33 s of own time at each batch size's first run). Here the engine's step runs
-eagerly (no compile: the convolutions are cuDNN's either way, and nothing else the limit touches differs), every shape
-of a warmup is captured, and the 24-frame step's and the final step's graphs are replayed. Each arm runs in a
-process of its own (cuDNN's choices are cached per process): a limit, or ``v7``, cuDNN's older API
-(``TORCH_CUDNN_V8_API_DISABLED=1``: a timed search with no execution plans to build; whether a torch build still
-honours it, the child's ``cudnn_v8_api_disabled_env`` and timings say)::
+A warm start of the compiled engine spends a third or more of its warmup in its captures, and in them in cuDNN's
+choice of algorithms for each new shape (BENCHMARKS.md, "Where a warm start goes" and "AOTInductor packages ..."). Each
+arm runs in a process of its own (cuDNN's choices are cached per process), warms up an engine (every shape of a warmup
+captured) and replays the 24-frame step's and the final step's graphs:
 
-    python benchmarks/cudnn_benchmark_limit.py --artifacts DIR --precision fp16 --limits 10,4,2,v7 [--slots 3100] \\
+* ``N`` (an integer): the step run eagerly (no compile: the convolutions are cuDNN's either way) under
+  ``torch.backends.cudnn.benchmark_limit = N`` (torch's default 10; 0: every algorithm);
+* ``v7``: the same, eager, under cuDNN's older API (``TORCH_CUDNN_V8_API_DISABLED=1``: a timed search with no
+  execution plans to build; whether a torch build still honours it, the arm's timings say);
+* ``compiled``: the engine as it starts (torch.compile; a first arm on a fresh cache compiles side by side, later
+  ones load inductor's cache);
+* ``eager+compiled``: the eager step run once at every shape the warmup captures, then the compiled engine's warmup
+  in the same process: whether the captures find cuDNN's choices made (what a first start could do while its workers
+  compile, instead of waiting for them).
+
+    python benchmarks/cudnn_benchmark_limit.py --artifacts DIR --precision fp16 --arms 10,3,v7 [--slots 3100] \\
         [--out R.json]
+    python benchmarks/cudnn_benchmark_limit.py --artifacts DIR --precision fp16 --arms compiled,compiled,eager+compiled
 """
 
 from __future__ import annotations
@@ -28,8 +36,8 @@ REPLAYS = 30
 BATCHES = (2, 64, 256)
 
 
-def one_limit(artifacts: str, precision: str, slots: int, limit: int) -> dict:
-    """Warm up an eager engine under ``limit`` and time its graphs' replays."""
+def one_arm(artifacts: str, precision: str, slots: int, arm: str) -> dict:
+    """Warm up the arm's engine and time its graphs' replays."""
     import torch
 
     from hift_runtime.compiled import STEP_SIZES, CompiledBackend, warmup_summary
@@ -37,14 +45,39 @@ def one_limit(artifacts: str, precision: str, slots: int, limit: int) -> dict:
     from hift_runtime.noise import NoiseTable
     from hift_runtime.streaming import StreamConstants
 
-    torch.backends.cudnn.benchmark_limit = limit
+    compiled = arm in ("compiled", "eager+compiled")
+    if arm.isdigit():
+        torch.backends.cudnn.benchmark_limit = int(arm)
     manifest = read_manifest(artifacts)
     constants = StreamConstants.from_manifest(manifest.config, manifest.step)
-    backend = CompiledBackend(manifest, constants, device="cuda", precision=precision, compile=False, slots=slots)
-    backend.use_noise_table(NoiseTable.seeded(0, constants.noise_table_length, constants.num_sines))
+    noise = NoiseTable.seeded(0, constants.noise_table_length, constants.num_sines)
+
+    def engine(compile: bool, cuda_graphs: bool = True) -> CompiledBackend:
+        backend = CompiledBackend(manifest, constants, device="cuda", precision=precision, compile=compile,
+                                  cuda_graphs=cuda_graphs, slots=slots, final_window=True)
+        backend.use_noise_table(noise)
+        return backend
+
+    result: dict = {"arm": arm, "benchmark_limit": torch.backends.cudnn.benchmark_limit,
+                    "cudnn_v8_api_disabled_env": os.environ.get("TORCH_CUDNN_V8_API_DISABLED"),
+                    "cudnn_version": torch.backends.cudnn.version()}
+    backend = engine(compiled)
+    if arm == "eager+compiled":
+        eager = engine(False, cuda_graphs=False)
+        started = time.perf_counter()
+        with eager._precision():
+            for kind, size, batch in backend._capture_plan(STEP_SIZES):
+                if kind != "f0":  # (the F0 step has no cuDNN convolutions on the GPU: GEMMs)
+                    eager._compiled[kind](*eager._zeros(kind, size, batch))
+        torch.cuda.synchronize()
+        result["eager_pass_s"] = round(time.perf_counter() - started, 1)
+        del eager
     started = time.perf_counter()
-    backend.warmup(STEP_SIZES, progress=lambda msg: None)
-    warmup_s = time.perf_counter() - started
+    said: list[str] = []
+    backend.warmup(STEP_SIZES, progress=said.append)
+    result["warmup_s"] = round(time.perf_counter() - started, 1)
+    result["summary"] = warmup_summary(backend.warmup_seconds)
+    result["said"] = [m for m in said if "step shapes compiled and captured" not in m]
     replay_ms: dict[str, float] = {}
     for kind, size in (("generator", max(STEP_SIZES)), ("final", backend.final_frames)):
         for batch in BATCHES:
@@ -57,9 +90,9 @@ def one_limit(artifacts: str, precision: str, slots: int, limit: int) -> dict:
                 torch.cuda.synchronize()
                 times.append((time.perf_counter() - t0) * 1e3)
             replay_ms[f"{kind}@{size}x{batch}"] = round(statistics.median(times), 3)
-    return {"limit": limit, "cudnn_v8_api_disabled_env": os.environ.get("TORCH_CUDNN_V8_API_DISABLED"),
-            "cudnn_version": torch.backends.cudnn.version(), "warmup_s": round(warmup_s, 1), "summary": warmup_summary(backend.warmup_seconds),
-            "replay_ms_median": replay_ms}
+    result["replay_ms_median"] = replay_ms
+    result["warmup_seconds_by_shape"] = backend.warmup_seconds
+    return result
 
 
 def main() -> None:
@@ -67,27 +100,29 @@ def main() -> None:
     p.add_argument("--artifacts", required=True)
     p.add_argument("--precision", default="fp16", choices=["fp32", "tf32", "fp16"])
     p.add_argument("--slots", type=int, default=2048, help="the engine's device cache slots (CudaOptions.slots)")
-    p.add_argument("--limits", default="10,4,2",
-                   help="benchmark limits, each in a process of its own (0: all; v7: cuDNN's older API, torch's limit)")
-    p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--arms", "--limits", dest="arms", default="10,4,2",
+                   help="comma-separated, each in a process of its own: N (eager under benchmark limit N), v7, "
+                        "compiled, eager+compiled (see above)")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", help="a JSON of the results")
     args = p.parse_args()
     if args.child is not None:
-        print(json.dumps(one_limit(args.artifacts, args.precision, args.slots, args.child)), flush=True)
+        print(json.dumps(one_arm(args.artifacts, args.precision, args.slots, args.child)), flush=True)
         return
     rows = []
-    for arm in args.limits.split(","):
-        v7 = arm == "v7"
-        limit = 10 if v7 else int(arm)
-        env = dict(os.environ, TORCH_CUDNN_V8_API_DISABLED="1") if v7 else None
+    for arm in args.arms.split(","):
+        if not (arm.isdigit() or arm in ("v7", "compiled", "eager+compiled")):
+            p.error(f"unknown arm {arm!r}: N, v7, compiled or eager+compiled")
+        env = dict(os.environ, TORCH_CUDNN_V8_API_DISABLED="1") if arm == "v7" else None
         done = subprocess.run([sys.executable, __file__, "--artifacts", args.artifacts, "--precision", args.precision,
-                               "--slots", str(args.slots), "--child", str(limit)], capture_output=True, text=True,
-                              env=env)
+                               "--slots", str(args.slots), "--child", "10" if arm == "v7" else arm],
+                              capture_output=True, text=True, env=env)
         if done.returncode != 0:
             print(f"{arm}: failed ({done.stderr.strip().splitlines()[-1:]})", flush=True)
             continue
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-        print(json.dumps(rows[-1]), flush=True)
+        rows[-1]["arm"] = arm
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "warmup_seconds_by_shape"}), flush=True)
     result = {"when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
               "command": "python benchmarks/cudnn_benchmark_limit.py " + " ".join(sys.argv[1:]), "runs": rows}
     if args.out:
