@@ -2,6 +2,8 @@
 figures.
 
     python benchmarks/host_path.py --artifacts DIR --out R.json [--ks 1,64,256] [--repeats 5]
+    python benchmarks/host_path.py --artifacts DIR --out R.json --modes asyncio-loop --sizes compiled-final-window \
+        --ks 256,1024   # the compiled engine's host path as its load tests drive it
 
 A stand-in backend returns zeros of the right shapes at once and keeps the generator caches as an opaque handle (as
 the CUDA path's device slots do), so what is timed is everything a push costs in this process besides the device:
@@ -55,9 +57,10 @@ class InstantDevice:
     def f0_step(self, mel: np.ndarray, caches: Any) -> tuple[np.ndarray, Any]:
         return self._zeros(mel.shape[0], mel.shape[2] - self.c.f0_look_ahead), caches
 
-    def generator_step(self, mel, f0, noise, phase_in, first, caches, final):
-        frames = f0.shape[1] - (0 if final else self.c.source_look_ahead) + (1 if final else 0)
-        audio = self._zeros(mel.shape[0], frames * self.c.samples_per_frame)
+    def generator_step(self, mel, f0, noise, phase_in, first, caches, final, frames=None):
+        """``frames``: a final step in the backend's window (``final_window_frames``): ``f0`` is the window's."""
+        samples = f0.shape[1] - (0 if final else self.c.source_look_ahead) + (1 if final else 0)
+        audio = self._zeros(mel.shape[0], samples * self.c.samples_per_frame)
         return audio, phase_in.copy(), None if final else caches
 
 
@@ -106,7 +109,7 @@ class ModelledDevice(InstantDevice):
         self._run(self.f0_ms)
         return super().f0_step(mel, caches)
 
-    def generator_step(self, mel, f0, noise, phase_in, first, caches, final):
+    def generator_step(self, mel, f0, noise, phase_in, first, caches, final, frames=None):
         if final:
             self._run(self.final_ms)
         else:
@@ -114,14 +117,18 @@ class ModelledDevice(InstantDevice):
             b = self._padded(mel.shape[0])
             ms = min(4.77 + (b - 1) * (8.75 - 4.77) / 7, self.fixed_ms + self.per_row_ms * b)  # B < 8: nearer 4.77
             self._run(ms * max(frames, 4) / 24)
-        return super().generator_step(mel, f0, noise, phase_in, first, caches, final)
+        return super().generator_step(mel, f0, noise, phase_in, first, caches, final, frames)
 
 
 # Step sizes of the stand-in: the ORT engine's, the compiled engine's (its F0 at every size up to 24 frames), or the
 # compiled engine's generator sizes for the F0 too (as before it captured its F0 apart). The compiled ones take noise
 # positions, as that engine does (its noise table on the device).
 STEP_SIZES = {"ort": ((24, 16, 8, 4, 2, 1), None), "compiled": ((24, 8, 4, 1), tuple(range(24, 0, -1))),
-              "compiled-f0-split": ((24, 8, 4, 1), None)}
+              "compiled-f0-split": ((24, 8, 4, 1), None),
+              "compiled-final-window": ((24, 8, 4, 1), tuple(range(24, 0, -1)))}
+# The final step's window where the stand-in has one: the compiled engine's default on CUDA (24 + the mel look-ahead:
+# a stream's last push is its F0 call and one final call).
+FINAL_WINDOW = {"compiled-final-window": 28}
 
 
 def modelled_vocoder(constants, device: InstantDevice, batched: bool, max_wait_s: float = 0.003,
@@ -132,6 +139,7 @@ def modelled_vocoder(constants, device: InstantDevice, batched: bool, max_wait_s
     from hift_runtime.streaming import StreamingVocoder
 
     step_sizes, device.f0_step_sizes = STEP_SIZES[sizes]
+    device.final_window_frames = FINAL_WINDOW.get(sizes)
     if sizes != "ort":
         device.takes_noise_positions = True
     vocoder = StreamingVocoder(device, constants, step_sizes=step_sizes)
@@ -141,13 +149,15 @@ def modelled_vocoder(constants, device: InstantDevice, batched: bool, max_wait_s
     return vocoder
 
 
-def pushes_per_second(constants, k: int, mode: str, noise_positions: bool = False) -> float:
+def pushes_per_second(constants, k: int, mode: str, noise_positions: bool = False, sizes: str = "ort") -> float:
     """``mode``: ``threads`` (a thread per stream, no scheduler), ``batched`` (a thread per stream, the scheduler),
-    ``asyncio`` (the streams as tasks of one event loop, ``apush`` into the scheduler)."""
+    ``asyncio`` (the streams as tasks of one event loop, ``apush`` into the scheduler's thread), ``asyncio-loop`` (the
+    same, the scheduler driven by the event loop: ``PushScheduler.attach_loop``, as ``load_test.py --scheduler loop``).
+    ``sizes``: a key of :data:`STEP_SIZES`."""
     device = (InstantPositionsDevice if noise_positions else InstantDevice)(constants)
-    vocoder = modelled_vocoder(constants, device, mode != "threads")
+    vocoder = modelled_vocoder(constants, device, mode != "threads", sizes=sizes)
     mel = synthetic_mel(CHUNK * CHUNKS)
-    if mode == "asyncio":
+    if mode in ("asyncio", "asyncio-loop"):
         import asyncio
 
         async def astream() -> None:
@@ -157,6 +167,8 @@ def pushes_per_second(constants, k: int, mode: str, noise_positions: bool = Fals
             await s.afinish()
 
         async def run_all() -> float:
+            if mode == "asyncio-loop":
+                vocoder.scheduler.attach_loop(asyncio.get_running_loop())
             t0 = time.perf_counter()
             await asyncio.gather(*(astream() for _ in range(k)))
             return time.perf_counter() - t0
@@ -190,7 +202,11 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--modes", default="threads,batched,asyncio",
                    help="comma-separated: threads (a thread per stream, no scheduler), batched (a thread per stream, "
-                        "the scheduler), asyncio (one event loop's tasks, apush into the scheduler)")
+                        "the scheduler), asyncio (one event loop's tasks, apush into the scheduler), asyncio-loop "
+                        "(the same, the scheduler driven by the event loop, as the compiled engine's load tests)")
+    p.add_argument("--sizes", choices=sorted(STEP_SIZES), default="ort",
+                   help="the stand-in's step sizes: the ORT engine's (default), the compiled engine's, or the "
+                        "compiled engine's with its final window (compiled-final-window: its default on CUDA)")
     p.add_argument("--noise-positions", action="store_true",
                    help="the device takes noise positions, not rows (the compiled engine's host path)")
     p.add_argument("--malloc", choices=("tuned", "default"), default="tuned",
@@ -230,9 +246,10 @@ def main() -> None:
     for mode in args.modes.split(","):
         for k in [int(x) for x in args.ks.split(",")]:
             pauses.reset()
-            rates = [pushes_per_second(constants, k, mode, args.noise_positions)
+            rates = [pushes_per_second(constants, k, mode, args.noise_positions, args.sizes)
                      for _ in range(args.repeats)]
-            row = {"mode": mode, "k": k, "noise": "positions" if args.noise_positions else "rows",
+            row = {"mode": mode, "k": k, "sizes": args.sizes,
+                   "noise": "positions" if args.noise_positions or args.sizes != "ort" else "rows",
                    "malloc": args.malloc, "server_heap": heap is not None, "gc_freeze": args.gc_freeze,
                    "gc_young_threshold": gc.get_threshold()[0],
                    "full_collections": pauses.count, "full_collection_max_ms": round(pauses.max_s * 1e3, 1),
