@@ -124,11 +124,11 @@ class ModelledDevice(InstantDevice):
 # compiled engine's generator sizes for the F0 too (as before it captured its F0 apart). The compiled ones take noise
 # positions, as that engine does (its noise table on the device).
 STEP_SIZES = {"ort": ((24, 16, 8, 4, 2, 1), None), "compiled": ((24, 8, 4, 1), tuple(range(24, 0, -1))),
-              "compiled-f0-split": ((24, 8, 4, 1), None),
-              "compiled-final-window": ((24, 8, 4, 1), tuple(range(24, 0, -1)))}
-# The final step's window where the stand-in has one: the compiled engine's default on CUDA (24 + the mel look-ahead:
-# a stream's last push is its F0 call and one final call).
-FINAL_WINDOW = {"compiled-final-window": 28}
+              "compiled-f0-split": ((24, 8, 4, 1), None)}
+STEP_SIZES["compiled-final-window"] = STEP_SIZES["compiled"]
+# The sizes whose stand-in has the final window, sized as the compiled engine sizes it on CUDA (its largest step plus
+# the mel look-ahead: a stream's last push is its F0 call and one final call).
+FINAL_WINDOW_SIZES = {"compiled-final-window"}
 
 
 def modelled_vocoder(constants, device: InstantDevice, batched: bool, max_wait_s: float = 0.003,
@@ -139,7 +139,8 @@ def modelled_vocoder(constants, device: InstantDevice, batched: bool, max_wait_s
     from hift_runtime.streaming import StreamingVocoder
 
     step_sizes, device.f0_step_sizes = STEP_SIZES[sizes]
-    device.final_window_frames = FINAL_WINDOW.get(sizes)
+    device.final_window_frames = (max(step_sizes) + constants.mel_look_ahead if sizes in FINAL_WINDOW_SIZES
+                                   else None)
     if sizes != "ort":
         device.takes_noise_positions = True
     vocoder = StreamingVocoder(device, constants, step_sizes=step_sizes)
