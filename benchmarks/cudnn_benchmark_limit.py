@@ -8,22 +8,27 @@ captured) and replays the 24-frame step's and the final step's graphs:
 
 * ``N`` (an integer): the step run eagerly (no compile: the convolutions are cuDNN's either way) under
   ``torch.backends.cudnn.benchmark_limit = N`` (torch's default 10; 0: every algorithm);
+* ``heuristic``: the same, eager, with cuDNN's benchmark off (its heuristics' first choice per shape, nothing timed;
+  the engine turned it on after the fp32 step ran ~3x slower with it off: whether fp16 and tf32 pay that too);
 * ``v7``: the same, eager, under cuDNN's older API (``TORCH_CUDNN_V8_API_DISABLED=1``: a timed search with no
   execution plans to build; whether a torch build still honours it, the arm's timings say);
 * ``compiled``: the engine as it starts (torch.compile; a first arm on a fresh cache compiles side by side, later
   ones load inductor's cache);
 * ``eager+compiled``: the eager step run once at every shape the warmup captures, then the compiled engine's warmup
   in the same process: whether the captures find cuDNN's choices made (what a first start could do while its workers
-  compile, instead of waiting for them).
+  compile, instead of waiting for them);
+* ``compiled+heuristic``: the compiled engine with cuDNN's benchmark off.
 
-    python benchmarks/cudnn_benchmark_limit.py --artifacts DIR --precision fp16 --arms 10,3,v7 [--slots 3100] \\
+    python benchmarks/cudnn_benchmark_limit.py --artifacts DIR --precision fp16 --arms 10,heuristic,v7 [--slots 3100] \\
         [--out R.json]
-    python benchmarks/cudnn_benchmark_limit.py --artifacts DIR --precision fp16 --arms compiled,compiled,eager+compiled
+    python benchmarks/cudnn_benchmark_limit.py --artifacts DIR --precision fp16 \\
+        --arms compiled,eager+compiled,compiled+heuristic
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -34,6 +39,7 @@ import time
 
 REPLAYS = 30
 BATCHES = (2, 64, 256)
+ARMS = ("heuristic", "v7", "compiled", "eager+compiled", "compiled+heuristic")
 
 
 def one_arm(artifacts: str, precision: str, slots: int, arm: str) -> dict:
@@ -45,7 +51,18 @@ def one_arm(artifacts: str, precision: str, slots: int, arm: str) -> dict:
     from hift_runtime.noise import NoiseTable
     from hift_runtime.streaming import StreamConstants
 
-    compiled = arm in ("compiled", "eager+compiled")
+    compiled = arm in ("compiled", "eager+compiled", "compiled+heuristic")
+    heuristic = arm in ("heuristic", "compiled+heuristic")
+    if heuristic:
+        engine_precision = CompiledBackend._precision
+
+        @contextlib.contextmanager
+        def heuristic_precision(self):  # the engine's switches, then benchmark off (restored on exit, as theirs)
+            with engine_precision(self):
+                torch.backends.cudnn.benchmark = False
+                yield
+
+        CompiledBackend._precision = heuristic_precision
     if arm.isdigit():
         torch.backends.cudnn.benchmark_limit = int(arm)
     manifest = read_manifest(artifacts)
@@ -59,6 +76,7 @@ def one_arm(artifacts: str, precision: str, slots: int, arm: str) -> dict:
         return backend
 
     result: dict = {"arm": arm, "benchmark_limit": torch.backends.cudnn.benchmark_limit,
+                    "cudnn_benchmark": not heuristic,
                     "cudnn_v8_api_disabled_env": os.environ.get("TORCH_CUDNN_V8_API_DISABLED"),
                     "cudnn_version": torch.backends.cudnn.version()}
     backend = engine(compiled)
@@ -92,6 +110,7 @@ def one_arm(artifacts: str, precision: str, slots: int, arm: str) -> dict:
             replay_ms[f"{kind}@{size}x{batch}"] = round(statistics.median(times), 3)
     result["replay_ms_median"] = replay_ms
     result["warmup_seconds_by_shape"] = backend.warmup_seconds
+    result["max_memory_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 1)  # workspaces included
     return result
 
 
@@ -101,8 +120,8 @@ def main() -> None:
     p.add_argument("--precision", default="fp16", choices=["fp32", "tf32", "fp16"])
     p.add_argument("--slots", type=int, default=2048, help="the engine's device cache slots (CudaOptions.slots)")
     p.add_argument("--arms", "--limits", dest="arms", default="10,4,2",
-                   help="comma-separated, each in a process of its own: N (eager under benchmark limit N), v7, "
-                        "compiled, eager+compiled (see above)")
+                   help="comma-separated, each in a process of its own: N (eager under benchmark limit N), "
+                        + ", ".join(ARMS) + " (see above)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", help="a JSON of the results")
     args = p.parse_args()
@@ -111,8 +130,8 @@ def main() -> None:
         return
     rows = []
     for arm in args.arms.split(","):
-        if not (arm.isdigit() or arm in ("v7", "compiled", "eager+compiled")):
-            p.error(f"unknown arm {arm!r}: N, v7, compiled or eager+compiled")
+        if not (arm.isdigit() or arm in ARMS):
+            p.error(f"unknown arm {arm!r}: N or one of {', '.join(ARMS)}")
         env = dict(os.environ, TORCH_CUDNN_V8_API_DISABLED="1") if arm == "v7" else None
         done = subprocess.run([sys.executable, __file__, "--artifacts", args.artifacts, "--precision", args.precision,
                                "--slots", str(args.slots), "--child", "10" if arm == "v7" else arm],
