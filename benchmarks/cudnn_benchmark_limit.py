@@ -128,10 +128,13 @@ def main() -> None:
     if args.child is not None:
         print(json.dumps(one_arm(args.artifacts, args.precision, args.slots, args.child)), flush=True)
         return
-    rows = []
-    for arm in args.arms.split(","):
+    arms = args.arms.split(",")
+    for arm in arms:
         if not (arm.isdigit() or arm in ARMS):
             p.error(f"unknown arm {arm!r}: N or one of {', '.join(ARMS)}")
+    result = {"when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+              "command": "python benchmarks/cudnn_benchmark_limit.py " + " ".join(sys.argv[1:]), "runs": []}
+    for arm in arms:
         env = dict(os.environ, TORCH_CUDNN_V8_API_DISABLED="1") if arm == "v7" else None
         done = subprocess.run([sys.executable, __file__, "--artifacts", args.artifacts, "--precision", args.precision,
                                "--slots", str(args.slots), "--child", "10" if arm == "v7" else arm],
@@ -139,14 +142,13 @@ def main() -> None:
         if done.returncode != 0:
             print(f"{arm}: failed ({done.stderr.strip().splitlines()[-1:]})", flush=True)
             continue
-        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-        rows[-1]["arm"] = arm
-        print(json.dumps({k: v for k, v in rows[-1].items() if k != "warmup_seconds_by_shape"}), flush=True)
-    result = {"when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-              "command": "python benchmarks/cudnn_benchmark_limit.py " + " ".join(sys.argv[1:]), "runs": rows}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        row = json.loads(done.stdout.strip().splitlines()[-1])
+        row["arm"] = arm
+        result["runs"].append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "warmup_seconds_by_shape"}), flush=True)
+        if args.out:  # after every arm: a run cut short keeps the arms it finished
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":
