@@ -63,9 +63,12 @@ def worker_command(backend: Any, kind: str, size: int) -> list[str]:
 
 
 def compile_side_by_side(commands: dict[str, list[str]], processes: int, say: Callable[[str], None],
-                         timeout_s: float = 1800.0) -> dict[str, float | None]:
+                         timeout_s: float = 1800.0, while_compiling: Callable[[], None] | None = None
+                         ) -> dict[str, float | None]:
     """Run each command (a worker) in a process of its own, at most ``processes`` at a time; the seconds each took,
-    None for one that failed (said with the end of its error output: the warmup then compiles that shape itself)."""
+    None for one that failed (said with the end of its error output: the warmup then compiles that shape itself).
+    ``while_compiling`` runs in the calling thread once the workers are started (what it raises is said, not
+    raised: it is an optimisation of the start, not part of it)."""
     started = time.perf_counter()
 
     def run(name: str) -> float | None:
@@ -86,13 +89,21 @@ def compile_side_by_side(commands: dict[str, list[str]], processes: int, say: Ca
         return seconds
 
     with concurrent.futures.ThreadPoolExecutor(max(1, processes)) as pool:
-        return dict(zip(commands, pool.map(run, commands)))
+        futures = {name: pool.submit(run, name) for name in commands}
+        if while_compiling is not None:
+            try:
+                while_compiling()
+            except Exception as exc:  # noqa: BLE001 - reported; the workers and the warmup go on without it
+                say(f"warmup: {while_compiling.__name__} failed beside the workers ({type(exc).__name__}: {exc})")
+        return {name: future.result() for name, future in futures.items()}
 
 
-def precompile(backend: Any, step_sizes: tuple[int, ...], say: Callable[[str], None]) -> Path:
+def precompile(backend: Any, step_sizes: tuple[int, ...], say: Callable[[str], None],
+               while_compiling: Callable[[], None] | None = None) -> Path:
     """Unless the marker says the cache is warm: ``backend``'s step graphs (the stream step at ``step_sizes``, the
     final step) compiled side by side in ``backend.compile_processes`` workers, the marker written when all of them
-    succeeded. Under a lock in the cache folder: of several processes starting at once (``hift-serve --processes``),
+    succeeded; ``while_compiling`` (the warmup's own work that needs no compiled graph) runs meanwhile, in this
+    thread. Under a lock in the cache folder: of several processes starting at once (``hift-serve --processes``),
     one compiles, the others wait and then find the marker. The marker's path (the warmup writes it too, at its end)."""
     import fcntl
 
@@ -111,7 +122,7 @@ def precompile(backend: Any, step_sizes: tuple[int, ...], say: Callable[[str], N
         say(f"warmup: a first start: compiling {len(units)} step graphs in {backend.compile_processes} processes "
             f"side by side into inductor's cache (~2 min on an H200)")
         seconds = compile_side_by_side({f"{kind}:{size}": worker_command(backend, kind, size) for kind, size in units},
-                                       backend.compile_processes, say)
+                                       backend.compile_processes, say, while_compiling=while_compiling)
         if all(value is not None for value in seconds.values()):
             marker.touch()
     return marker

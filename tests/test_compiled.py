@@ -464,6 +464,40 @@ def test_a_first_warmup_compiles_side_by_side_once(small_artifacts, tmp_path, mo
     assert precompile(engine, (), said.append) == markers[0] and said == []
 
 
+def test_the_start_chooses_convolution_algorithms_while_the_workers_compile(compiled_cpu):
+    """A first start runs the eager step at every captured generator and final shape while its workers compile (in the
+    warmup's thread: cuDNN keeps its choices per thread); what that pass raises is said, and the workers' results
+    stand. On the CPU: the pass runs the eager step at those shapes, and the hook runs while the workers do."""
+    import sys
+
+    from hift_runtime.compile_workers import compile_side_by_side
+
+    backend, said = compiled_cpu.backend, []
+    before = backend.slots_in_use
+    backend._choose_convolution_algorithms([("generator", 24, 2), ("final", backend.final_frames, 3), ("f0", 2, 2)],
+                                           said.append)
+    assert len(said) == 1 and "chosen for 2 step shapes while the workers compile" in said[0], said
+    assert backend.slots_in_use == before  # (the scratch row only)
+
+    worker = [sys.executable, "-c", "import time; time.sleep(1.5)"]
+    seen: list[list[str]] = []
+
+    def while_compiling() -> None:
+        seen.append(list(said))  # no worker has finished yet: the hook runs beside them, not after
+
+    said.clear()
+    seconds = compile_side_by_side({"a": worker, "b": worker}, 2, said.append, while_compiling=while_compiling)
+    assert seen == [[]] and all(s is not None for s in seconds.values()) and len(said) == 2
+
+    def failing() -> None:
+        raise RuntimeError("out of memory")
+
+    said.clear()
+    seconds = compile_side_by_side({"a": worker}, 2, said.append, while_compiling=failing)
+    assert seconds["a"] is not None
+    assert any("failing failed beside the workers (RuntimeError: out of memory)" in m for m in said), said
+
+
 def test_the_warm_marker_names_what_the_graphs_depend_on(small_artifacts, tmp_path, monkeypatch):
     import torch
     from types import SimpleNamespace
