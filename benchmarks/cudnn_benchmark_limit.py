@@ -12,11 +12,12 @@ captured) and replays the 24-frame step's and the final step's graphs:
   the engine turned it on after the fp32 step ran ~3x slower with it off: whether fp16 and tf32 pay that too);
 * ``v7``: the same, eager, under cuDNN's older API (``TORCH_CUDNN_V8_API_DISABLED=1``: a timed search with no
   execution plans to build; whether a torch build still honours it, the arm's timings say);
-* ``compiled``: the engine as it starts (torch.compile; a first arm on a fresh cache compiles side by side, later
-  ones load inductor's cache);
+* ``compiled``: the engine as it starts (torch.compile; a first arm on a fresh cache compiles side by side, and
+  since 2026-12-03 chooses cuDNN's algorithms meanwhile, as ``eager+compiled`` measured; later ones load inductor's
+  cache);
 * ``eager+compiled``: the eager step run once at every shape the warmup captures, then the compiled engine's warmup
-  in the same process: whether the captures find cuDNN's choices made (what a first start could do while its workers
-  compile, instead of waiting for them);
+  in the same process: whether the captures find cuDNN's choices made (on the H200 they do: BENCHMARKS.md; a first
+  start now makes that pass while its workers compile);
 * ``compiled+heuristic``: the compiled engine with cuDNN's benchmark off.
 
     python benchmarks/cudnn_benchmark_limit.py --artifacts DIR --precision fp16 --arms 10,heuristic,v7 [--slots 3100] \\

@@ -5,7 +5,9 @@ Compiled in turn, the five step graphs (the stream step at 24, 8, 4 and 1 frames
 351-425 s cold start on an H200; side by side in five processes they took 128 s, and the warmup then loaded them from
 the cache in 36-38 s (BENCHMARKS.md, "fp16 channels-last"). A compile's cache entry is keyed by its graph and its
 inputs' shapes, so a worker builds the same backend as the engine (precision, layout, device cache slots) and
-compiles its shape as warmup would (:meth:`~hift_runtime.compiled.CompiledBackend.compile_shape`).
+compiles its shape as warmup would (:meth:`~hift_runtime.compiled.CompiledBackend.compile_shape`). Meanwhile the
+starting process does what needs no compiled graph: it runs the eager step at every shape it will capture, so that
+cuDNN's choices are made when the captures come (``CompiledBackend._choose_convolution_algorithms``).
 
 Once a warmup has finished, a marker in inductor's cache folder (:func:`warm_marker`) says the cache holds this
 engine's graphs: later starts skip the workers (they would only load the cache a second time). Side by side is an
