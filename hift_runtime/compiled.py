@@ -528,6 +528,10 @@ class CompiledBackend:
                     eager[kind](*self._zeros(kind, size, batch))
                 if self.on_cuda:
                     torch.cuda.synchronize(self.device)
+        except Exception as exc:  # noqa: BLE001 - out of memory beside the workers, say: the captures choose as before
+            say(f"warmup: cuDNN's algorithms not chosen beside the workers ({type(exc).__name__}: {exc}); the "
+                f"captures choose them")
+            return
         finally:
             if self.on_cuda:
                 torch.cuda.empty_cache()  # the eager activations' blocks: the captures allocate from their own pool

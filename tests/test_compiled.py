@@ -464,7 +464,7 @@ def test_a_first_warmup_compiles_side_by_side_once(small_artifacts, tmp_path, mo
     assert precompile(engine, (), said.append) == markers[0] and said == []
 
 
-def test_the_start_chooses_convolution_algorithms_while_the_workers_compile(compiled_cpu):
+def test_the_start_chooses_convolution_algorithms_while_the_workers_compile(compiled_cpu, monkeypatch):
     """A first start runs the eager step at every captured generator and final shape while its workers compile (in the
     warmup's thread: cuDNN keeps its choices per thread); what that pass raises is said, and the workers' results
     stand. On the CPU: the pass runs the eager step at those shapes, and the hook runs while the workers do."""
@@ -478,6 +478,16 @@ def test_the_start_chooses_convolution_algorithms_while_the_workers_compile(comp
                                            said.append)
     assert len(said) == 1 and "chosen for 2 step shapes while the workers compile" in said[0], said
     assert backend.slots_in_use == before  # (the scratch row only)
+    said.clear()
+
+    def out_of_memory(*args):
+        raise RuntimeError("CUDA out of memory")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(backend, "_zeros", out_of_memory)
+        backend._choose_convolution_algorithms([("generator", 24, 2)], said.append)
+    assert said == ["warmup: cuDNN's algorithms not chosen beside the workers (RuntimeError: CUDA out of memory); "
+                    "the captures choose them"], said
 
     worker = [sys.executable, "-c", "import time; time.sleep(1.5)"]
     seen: list[list[str]] = []
