@@ -59,8 +59,8 @@ class InstantDevice:
 
     def generator_step(self, mel, f0, noise, phase_in, first, caches, final, frames=None):
         """``frames``: a final step in the backend's window (``final_window_frames``): ``f0`` is the window's."""
-        samples = f0.shape[1] - (0 if final else self.c.source_look_ahead) + (1 if final else 0)
-        audio = self._zeros(mel.shape[0], samples * self.c.samples_per_frame)
+        audio_frames = f0.shape[1] - (0 if final else self.c.source_look_ahead) + (1 if final else 0)
+        audio = self._zeros(mel.shape[0], audio_frames * self.c.samples_per_frame)
         return audio, phase_in.copy(), None if final else caches
 
 

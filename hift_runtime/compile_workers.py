@@ -96,7 +96,7 @@ def compile_side_by_side(commands: dict[str, list[str]], processes: int, say: Ca
             try:
                 while_compiling()
             except Exception as exc:  # noqa: BLE001 - reported; the workers and the warmup go on without it
-                say(f"warmup: {while_compiling.__name__} failed beside the workers ({type(exc).__name__}: {exc})")
+                say(f"warmup: the work beside the workers failed ({type(exc).__name__}: {exc}); they go on")
         return {name: future.result() for name, future in futures.items()}
 
 
