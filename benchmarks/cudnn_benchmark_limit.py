@@ -12,18 +12,19 @@ captured) and replays the 24-frame step's and the final step's graphs:
   the engine turned it on after the fp32 step ran ~3x slower with it off: whether fp16 and tf32 pay that too);
 * ``v7``: the same, eager, under cuDNN's older API (``TORCH_CUDNN_V8_API_DISABLED=1``: a timed search with no
   execution plans to build; whether a torch build still honours it, the arm's timings say);
-* ``compiled``: the engine as it starts (torch.compile; a first arm on a fresh cache compiles side by side, and
-  since 2026-12-03 chooses cuDNN's algorithms meanwhile, as ``eager+compiled`` measured; later ones load inductor's
-  cache);
-* ``eager+compiled``: the eager step run once at every shape the warmup captures, then the compiled engine's warmup
-  in the same process: whether the captures find cuDNN's choices made (on the H200 they do: BENCHMARKS.md; a first
-  start now makes that pass while its workers compile);
+* ``compiled``: the engine as it starts (torch.compile; a first arm on a fresh cache compiles side by side, later
+  ones load inductor's cache);
 * ``compiled+heuristic``: the compiled engine with cuDNN's benchmark off.
+
+Any arm may end in ``@N``: the warmup's threads that choose cuDNN's algorithms (``CudaOptions.cudnn_threads``;
+default the engine's). Since 2026-12-03 every warmup runs the eager step at each generator and final shape in those
+threads first and captures each shape in the thread that chose for it (``hift_runtime.compiled._ChoosingThreads``);
+the ``eager+compiled`` arm that measured the idea on one thread (``cudnn-compiled-arms-fp16-h200.json``) is in the
+history (commit bcaedf3).
 
     python benchmarks/cudnn_benchmark_limit.py --artifacts DIR --precision fp16 --arms 10,heuristic,v7 [--slots 3100] \\
         [--out R.json]
-    python benchmarks/cudnn_benchmark_limit.py --artifacts DIR --precision fp16 \\
-        --arms compiled,eager+compiled,compiled+heuristic
+    python benchmarks/cudnn_benchmark_limit.py --artifacts DIR --precision fp16 --arms compiled@8,compiled@1
 """
 
 from __future__ import annotations
@@ -40,19 +41,22 @@ import time
 
 REPLAYS = 30
 BATCHES = (2, 64, 256)
-ARMS = ("heuristic", "v7", "compiled", "eager+compiled", "compiled+heuristic")
+ARMS = ("heuristic", "v7", "compiled", "compiled+heuristic")
 
 
 def one_arm(artifacts: str, precision: str, slots: int, arm: str) -> dict:
     """Warm up the arm's engine and time its graphs' replays."""
     import torch
 
-    from hift_runtime.compiled import STEP_SIZES, CompiledBackend, warmup_summary
+    from hift_runtime.compiled import DEFAULT_CUDNN_THREADS, STEP_SIZES, CompiledBackend, warmup_summary
+
+    arm, _, threads = arm.partition("@")
+    cudnn_threads = int(threads) if threads else DEFAULT_CUDNN_THREADS
     from hift_runtime.manifest import read_manifest
     from hift_runtime.noise import NoiseTable
     from hift_runtime.streaming import StreamConstants
 
-    compiled = arm in ("compiled", "eager+compiled", "compiled+heuristic")
+    compiled = arm in ("compiled", "compiled+heuristic")
     heuristic = arm in ("heuristic", "compiled+heuristic")
     if heuristic:
         engine_precision = CompiledBackend._precision
@@ -72,25 +76,22 @@ def one_arm(artifacts: str, precision: str, slots: int, arm: str) -> dict:
 
     def engine(compile: bool, cuda_graphs: bool = True) -> CompiledBackend:
         backend = CompiledBackend(manifest, constants, device="cuda", precision=precision, compile=compile,
-                                  cuda_graphs=cuda_graphs, slots=slots, final_window=True)
+                                  cuda_graphs=cuda_graphs, slots=slots, final_window=True,
+                                  cudnn_threads=cudnn_threads)
         backend.use_noise_table(noise)
         return backend
 
-    result: dict = {"arm": arm, "benchmark_limit": torch.backends.cudnn.benchmark_limit,
+    result: dict = {"arm": arm, "cudnn_threads": cudnn_threads, "benchmark_limit": torch.backends.cudnn.benchmark_limit,
                     "cudnn_benchmark": not heuristic,
                     "cudnn_v8_api_disabled_env": os.environ.get("TORCH_CUDNN_V8_API_DISABLED"),
                     "cudnn_version": torch.backends.cudnn.version()}
     backend = engine(compiled)
     said: list[str] = []
-    if arm == "eager+compiled":  # the engine's own pass (a first start makes it beside its workers), then warmup
-        started = time.perf_counter()
-        backend._choose_convolution_algorithms(backend._capture_plan(STEP_SIZES), said.append)
-        result["eager_pass_s"] = round(time.perf_counter() - started, 1)
     started = time.perf_counter()
     backend.warmup(STEP_SIZES, progress=said.append)
     result["warmup_s"] = round(time.perf_counter() - started, 1)
-    result["summary"] = warmup_summary(backend.warmup_seconds)
-    result["said"] = [m for m in said if "step shapes compiled and captured" not in m]
+    result["summary"] = warmup_summary(backend.warmup_seconds, backend.first_call_seconds)
+    result["said"] = [m for m in said if "step shapes captured" not in m]
     replay_ms: dict[str, float] = {}
     for kind, size in (("generator", max(STEP_SIZES)), ("final", backend.final_frames)):
         for batch in BATCHES:
@@ -125,14 +126,17 @@ def main() -> None:
         return
     arms = args.arms.split(",")
     for arm in arms:
-        if not (arm.isdigit() or arm in ARMS):
-            p.error(f"unknown arm {arm!r}: N or one of {', '.join(ARMS)}")
+        name, at, threads = arm.partition("@")
+        if not (name.isdigit() or name in ARMS) or (at and not threads.isdigit()):
+            p.error(f"unknown arm {arm!r}: N or one of {', '.join(ARMS)}, each optionally @THREADS")
     result = {"when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
               "command": "python benchmarks/cudnn_benchmark_limit.py " + " ".join(sys.argv[1:]), "runs": []}
     for arm in arms:
-        env = dict(os.environ, TORCH_CUDNN_V8_API_DISABLED="1") if arm == "v7" else None
+        name, at, threads = arm.partition("@")
+        env = dict(os.environ, TORCH_CUDNN_V8_API_DISABLED="1") if name == "v7" else None
+        child = ("10" if name == "v7" else name) + at + threads
         done = subprocess.run([sys.executable, __file__, "--artifacts", args.artifacts, "--precision", args.precision,
-                               "--slots", str(args.slots), "--child", "10" if arm == "v7" else arm],
+                               "--slots", str(args.slots), "--child", child],
                               capture_output=True, text=True, env=env)
         if done.returncode != 0:
             print(f"{arm}: failed ({done.stderr.strip().splitlines()[-1:]})", flush=True)

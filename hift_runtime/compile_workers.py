@@ -6,8 +6,9 @@ Compiled in turn, the five step graphs (the stream step at 24, 8, 4 and 1 frames
 the cache in 36-38 s (BENCHMARKS.md, "fp16 channels-last"). A compile's cache entry is keyed by its graph and its
 inputs' shapes, so a worker builds the same backend as the engine (precision, layout, device cache slots) and
 compiles its shape as warmup would (:meth:`~hift_runtime.compiled.CompiledBackend.compile_shape`). Meanwhile the
-starting process does what needs no compiled graph: it runs the eager step at every shape it will capture, so that
-cuDNN's choices are made when the captures come (``CompiledBackend._choose_convolution_algorithms``).
+starting process does what needs no compiled graph (its threads choose cuDNN's algorithms for the shapes it will
+capture: ``hift_runtime.compiled._ChoosingThreads``), and loads each worker's graph from the cache as soon as that
+worker is done, while the others still compile.
 
 Once a warmup has finished, a marker in inductor's cache folder (:func:`warm_marker`) says the cache holds this
 engine's graphs: later starts skip the workers (they would only load the cache a second time). Side by side is an
@@ -65,12 +66,12 @@ def worker_command(backend: Any, kind: str, size: int) -> list[str]:
 
 
 def compile_side_by_side(commands: dict[str, list[str]], processes: int, say: Callable[[str], None],
-                         timeout_s: float = 1800.0, while_compiling: Callable[[], None] | None = None
+                         timeout_s: float = 1800.0, when_compiled: Callable[[str], None] | None = None
                          ) -> dict[str, float | None]:
     """Run each command (a worker) in a process of its own, at most ``processes`` at a time; the seconds each took,
     None for one that failed (said with the end of its error output: the warmup then compiles that shape itself).
-    ``while_compiling`` runs in the calling thread once the workers are started (what it raises is said, not
-    raised: it is an optimisation of the start, not part of it)."""
+    ``when_compiled(name)`` runs in the calling thread as each worker succeeds, while the others go on (what it
+    raises is said, not raised: loading a graph early is an optimisation of the start, not part of it)."""
     started = time.perf_counter()
 
     def run(name: str) -> float | None:
@@ -91,22 +92,25 @@ def compile_side_by_side(commands: dict[str, list[str]], processes: int, say: Ca
         return seconds
 
     with concurrent.futures.ThreadPoolExecutor(max(1, processes)) as pool:
-        futures = {name: pool.submit(run, name) for name in commands}
-        if while_compiling is not None:
-            try:
-                while_compiling()
-            except Exception as exc:  # noqa: BLE001 - reported; the workers and the warmup go on without it
-                say(f"warmup: the work beside the workers failed ({type(exc).__name__}: {exc}); they go on")
-        return {name: future.result() for name, future in futures.items()}
+        futures = {pool.submit(run, name): name for name in commands}
+        for future in concurrent.futures.as_completed(futures):
+            if when_compiled is not None and future.result() is not None:
+                try:
+                    when_compiled(futures[future])
+                except Exception as exc:  # noqa: BLE001 - reported; the warmup makes the call again after
+                    say(f"warmup: the first call of {futures[future]} beside the workers failed "
+                        f"({type(exc).__name__}: {exc}); the workers go on")
+        return {name: future.result() for future, name in futures.items()}
 
 
 def precompile(backend: Any, step_sizes: tuple[int, ...], say: Callable[[str], None],
-               while_compiling: Callable[[], None] | None = None) -> Path:
+               when_compiled: Callable[[str, int], None] | None = None) -> Path:
     """Unless the marker says the cache is warm: ``backend``'s step graphs (the stream step at ``step_sizes``, the
     final step) compiled side by side in ``backend.compile_processes`` workers, the marker written when all of them
-    succeeded; ``while_compiling`` (the warmup's own work that needs no compiled graph) runs meanwhile, in this
-    thread. Under a lock in the cache folder: of several processes starting at once (``hift-serve --processes``),
-    one compiles, the others wait and then find the marker. The marker's path (the warmup writes it too, at its end)."""
+    succeeded; ``when_compiled(kind, size)`` (the warmup's first call of that graph: dynamo's load of it) runs in
+    this thread as each worker is done. Under a lock in the cache folder: of several processes starting at once
+    (``hift-serve --processes``), one compiles, the others wait and then find the marker. The marker's path (the
+    warmup writes it too, at its end)."""
     import fcntl
 
     marker = warm_marker(backend, step_sizes)
@@ -123,8 +127,11 @@ def precompile(backend: Any, step_sizes: tuple[int, ...], say: Callable[[str], N
         units = compile_units(backend.generator_graph_sizes(step_sizes), backend.final_frames)
         say(f"warmup: a first start: compiling {len(units)} step graphs in {backend.compile_processes} processes "
             f"side by side into inductor's cache (~2 min on an H200)")
-        seconds = compile_side_by_side({f"{kind}:{size}": worker_command(backend, kind, size) for kind, size in units},
-                                       backend.compile_processes, say, while_compiling=while_compiling)
+        named = {f"{kind}:{size}": (kind, size) for kind, size in units}
+        seconds = compile_side_by_side({name: worker_command(backend, *unit) for name, unit in named.items()},
+                                       backend.compile_processes, say,
+                                       when_compiled=None if when_compiled is None else
+                                       lambda name: when_compiled(*named[name]))
         if all(value is not None for value in seconds.values()):
             marker.touch()
     return marker

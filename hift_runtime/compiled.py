@@ -30,6 +30,7 @@ checks the engine's pool, noise gather and bookkeeping against the ONNX Runtime 
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import logging
@@ -71,6 +72,8 @@ CONV_LAYOUTS = ("channels-first", "channels-last")
 # B = 2. In tf32 the transposes move into inductor's kernels (38.35 against 38.40 ms at B = 256), and fp32 runs NCHW
 # FFMA kernels (channels-last 18 % slower): both stay channels-first.
 DEFAULT_CONV_LAYOUT = {"fp32": "channels-first", "tf32": "channels-first", "fp16": "channels-last"}
+# Threads that choose cuDNN's convolution algorithms at warmup, side by side (_ChoosingThreads).
+DEFAULT_CUDNN_THREADS = 8
 
 
 def load_folded(manifest: Manifest, device: torch.device) -> tuple[Any, Any]:
@@ -207,6 +210,55 @@ class _CacheRows:
         self.pool.index_copy_(0, slots, torch.cat([piece.to(self.pool.dtype) for piece in pieces], dim=1))
 
 
+class _ChoosingThreads:
+    """Threads that choose cuDNN's convolution algorithms for a warmup's generator and final shapes side by side, each
+    for its share, and then capture the shapes it chose for. Torch keeps cuDNN's choices per thread (``thread_local
+    BenchmarkCache`` in ATen's ``Conv_v8.cpp``): a capture finds them only in the thread that made them. Choosing is
+    mostly cuDNN building its candidates' plans on the host (the benchmark's limit changed nothing on the H200), which
+    threads can do side by side while the warmup's thread loads or compiles the graphs. The process-wide switches
+    (TF32, cuDNN's benchmark) are the warmup's, held by its thread for all of it; what is per thread (the device,
+    inference mode) each call here enters itself. The F0 step (GEMMs, no cuDNN) runs in the calling thread."""
+
+    def __init__(self, device: torch.device, shapes: list[tuple[str, int, int]], threads: int) -> None:
+        # Largest first, dealt round: each thread a like share of the large shapes (their choosing is the longest).
+        heavy = sorted((s for s in shapes if s[0] != "f0"), key=lambda s: -s[1] * s[2])
+        count = max(1, min(threads, len(heavy)))
+        self.owner = {shape: i % count for i, shape in enumerate(heavy)}
+        self.groups = [heavy[i::count] for i in range(count)] if heavy else []
+        self._device = device
+        self._pools = [concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"hift-cudnn-{i}")
+                       for i in range(len(self.groups))]
+        # A stream each: cuDNN times its candidates with events on the current stream, which the threads would
+        # otherwise share (the legacy default stream), each timing the others' kernels too.
+        self._streams = [torch.cuda.Stream(device) if device.type == "cuda" else None for _ in self._pools]
+
+    def _within(self, thread: int, fn: Callable[[], Any]) -> Callable[[], Any]:
+        def call() -> Any:
+            stream = self._streams[thread]
+            if stream is not None:
+                torch.cuda.set_device(self._device)  # (per thread in CUDA: a new thread starts on device 0)
+                stream.wait_stream(torch.cuda.default_stream(self._device))  # the engine's tensors, made there
+            with torch.inference_mode(), torch.cuda.stream(stream):  # (None: no stream, on the CPU)
+                return fn()
+        return call
+
+    def choose(self, choose_for: Callable[[list[tuple[str, int, int]]], None]) -> list[concurrent.futures.Future]:
+        """``choose_for(group)`` started in each thread on its share."""
+        return [pool.submit(self._within(i, functools.partial(choose_for, group)))
+                for i, (pool, group) in enumerate(zip(self._pools, self.groups))]
+
+    def run(self, shape: tuple[str, int, int], fn: Callable[[], Any]) -> Any:
+        """``fn()`` in the thread that chose for ``shape`` (the calling thread for a shape none chose for)."""
+        if shape not in self.owner:
+            return fn()
+        thread = self.owner[shape]
+        return self._pools[thread].submit(self._within(thread, fn)).result()
+
+    def close(self) -> None:
+        for pool in self._pools:
+            pool.shutdown(wait=True)
+
+
 class CompiledBackend:
     """A :class:`~hift_runtime.streaming.VocoderBackend` over the compiled step (see the module docstring).
 
@@ -226,6 +278,8 @@ class CompiledBackend:
     every step up to it (each row's frames an input): no graphs of the shorter sizes, a push's generator work one
     call per 24 frames (opt-in: a faster start, 92.5 s warm against 135-164 s on the H200, but its step costs 13-20 %
     more device time per row, so it carries fewer streams near the device's capacity; BENCHMARKS.md).
+    ``cudnn_threads``: the threads that choose cuDNN's convolution algorithms at :meth:`warmup`, side by side, and
+    capture the shapes they chose for (:class:`_ChoosingThreads`).
     """
 
     caches_in_place = True
@@ -239,7 +293,7 @@ class CompiledBackend:
                  slots: int = 2048, conv_layout: str | None = None, compile_processes: int = 5,
                  cache_layout: str = "channels-first",
                  short_step_batch_sizes: tuple[int, ...] | None = None, final_window: bool | None = None,
-                 step_window: bool = False) -> None:
+                 step_window: bool = False, cudnn_threads: int = DEFAULT_CUDNN_THREADS) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         conv_layout = DEFAULT_CONV_LAYOUT[precision] if conv_layout is None else conv_layout
@@ -248,6 +302,9 @@ class CompiledBackend:
                              f"got {conv_layout!r}")
         if cache_layout not in CONV_LAYOUTS:
             raise ValueError(f"cache_layout must be one of {CONV_LAYOUTS}, got {cache_layout!r}")
+        if cudnn_threads < 1:
+            raise ValueError(f"cudnn_threads must be at least 1 (the threads that choose cuDNN's algorithms at warmup), "
+                             f"got {cudnn_threads}")
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ArtifactError("the compiled engine was asked for CUDA, but torch sees no CUDA device (a CPU build "
@@ -257,6 +314,7 @@ class CompiledBackend:
         self.manifest, self.constants, self.precision, self.conv_layout = manifest, constants, precision, conv_layout
         self.cache_layout = cache_layout
         self.compile_processes = compile_processes
+        self.cudnn_threads = cudnn_threads
         self.on_cuda = self.device.type == "cuda"
         self.compiled = self.on_cuda if compile is None else compile
         self.cuda_graphs = cuda_graphs and self.on_cuda
@@ -317,7 +375,8 @@ class CompiledBackend:
             self._compiled["final"] = functools.partial(self._with_source, torch.compile(self._final_rest,
                                                                                          options=options))
         self.compiles_at_warmup: int | None = None
-        self.warmup_seconds: dict[str, float] = {}  # "kind:frames x batch" -> seconds of its compile and capture
+        self.warmup_seconds: dict[str, float] = {}  # "kind:frames x batch" -> seconds of its capture
+        self.first_call_seconds: dict[str, float] = {}  # "kind:frames" -> seconds of its compile or its load
 
     # ---- the functions compiled (pure tensor code) -----------------------------------------------------------------
     def _noise(self, start: torch.Tensor, frames: int) -> torch.Tensor:
@@ -474,69 +533,92 @@ class CompiledBackend:
 
     # ---- warmup: compile and capture every shape a stream meets ------------------------------------------------------
     def warmup(self, step_sizes: tuple[int, ...] | None, progress: Callable[[str], None] | None = None) -> None:
-        """Compile and capture (CUDA) every shape of :meth:`_capture_plan`. A no-op on the CPU without compile."""
+        """Compile and capture (CUDA) every shape of :meth:`_capture_plan`. A no-op on the CPU without compile.
+
+        Three things at once, then the captures: :attr:`cudnn_threads` threads run the eager step at every generator
+        and final shape, so that cuDNN's benchmark chooses each convolution's algorithm (:class:`_ChoosingThreads`);
+        a first start's workers compile the step graphs side by side (:mod:`~hift_runtime.compile_workers`); and this
+        thread makes each graph's first call (dynamo's load of the compile from inductor's cache, or the compile
+        itself), a worker's graph as soon as it is done. Then each shape is captured, a generator or final shape in
+        the thread that chose its algorithms (the compiled graphs' convolutions are the same cuDNN calls, so they
+        find the choices made), one at a time."""
         if not self.on_cuda or not step_sizes:
             return
+        from .compile_workers import compile_units, precompile
+
         say = progress or (lambda msg: log.info("hift_runtime: %s", msg))
         started = time.perf_counter()
         marker = None
         shapes = self._capture_plan(step_sizes)
-        if self.compiled and self.compile_processes > 1:
-            from .compile_workers import precompile
+        threads = _ChoosingThreads(self.device, shapes if self.cuda_graphs else [], self.cudnn_threads)
+        with contextlib.closing(threads), self._lock, self._precision():
+            choosing = threads.choose(self._choose_for)
 
-            def choose_convolution_algorithms() -> None:
-                self._choose_convolution_algorithms(shapes, say)
+            def first_call(kind: str, size: int) -> None:
+                if f"{kind}:{size}" in self.first_call_seconds:
+                    return
+                seconds = self.compile_shape(kind, size)
+                self.first_call_seconds[f"{kind}:{size}"] = round(seconds, 3)
+                say(f"warmup: {kind}:{size} ready ({seconds:.0f} s; {time.perf_counter() - started:.0f} s since the "
+                    f"start)")
 
-            marker = precompile(self, step_sizes, say, while_compiling=choose_convolution_algorithms)
-        with self._lock, self._precision():
+            if self.compiled and self.compile_processes > 1:
+                marker = precompile(self, step_sizes, say, when_compiled=first_call)
+            for kind, size in compile_units(self.generator_graph_sizes(step_sizes), self.final_frames):
+                first_call(kind, size)
+            self._await_choices(choosing, threads, started, say)
             for i, (kind, size, batch) in enumerate(shapes):
                 if (kind, size, batch) in self._graphs:
                     continue
                 shape_started = time.perf_counter()
                 fn = self._compiled[kind]
-                example = self._example(kind, size, batch)
                 if self.cuda_graphs:
-                    self._graphs[(kind, size, batch)] = _Captured(
-                        fn, example, self._graph_pool, functools.partial(self._mirrors_of, kind, size))
+                    self._graphs[(kind, size, batch)] = threads.run((kind, size, batch), lambda: _Captured(
+                        fn, self._example(kind, size, batch), self._graph_pool,
+                        functools.partial(self._mirrors_of, kind, size)))
                 else:
-                    fn(*example)
+                    threads.run((kind, size, batch), lambda: fn(*self._example(kind, size, batch)))
                 self.warmup_seconds[f"{kind}:{size}x{batch}"] = round(time.perf_counter() - shape_started, 3)
-                if kind != "f0" and (batch == self.batch_sizes[0] or i == len(shapes) - 1):  # each compile
-                    say(f"warmup: {i + 1}/{len(shapes)} step shapes compiled and captured "
-                        f"({time.perf_counter() - started:.0f} s)")
-            torch.cuda.synchronize(self.device)
+                if kind != "f0" and (batch == self.batch_sizes[0] or i == len(shapes) - 1):
+                    say(f"warmup: {i + 1}/{len(shapes)} step shapes captured ({time.perf_counter() - started:.0f} s)")
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
         self.compiles_at_warmup = compile_count()
         if marker is not None:
             try:
                 marker.touch()  # its folder made by precompile (where it could not be, this fails too)
             except OSError as exc:  # a read-only cache: every start compiles side by side again
                 say(f"warmup: cannot mark inductor's cache as warm ({exc})")
-        say(warmup_summary(self.warmup_seconds))
+        say(warmup_summary(self.warmup_seconds, self.first_call_seconds))
 
-    def _choose_convolution_algorithms(self, shapes: list[tuple[str, int, int]], say: Callable[[str], None]) -> None:
-        """Run the eager step once at each generator and final shape of ``shapes``, so that cuDNN's benchmark chooses
-        each convolution's algorithm now: the compiled graphs' convolutions are the same calls, and the captures then
-        find the choices made (cuDNN keeps them per thread: this runs in the warmup's). A first start runs it while its
-        workers compile. On the H200 (fp16, a first start's 319 shapes): the pass 106 s, the captures after it 57.3 s
-        against 160.5 s without it, the graphs as fast (``benchmarks/cudnn_benchmark_limit.py``, eager+compiled)."""
-        started = time.perf_counter()
-        steps = [(kind, size, batch) for kind, size, batch in shapes if kind != "f0"]  # (F0: GEMMs, no cuDNN)
+    def _choose_for(self, shapes: list[tuple[str, int, int]]) -> None:
+        """The eager step once at each of ``shapes`` (generator and final steps), so that cuDNN's benchmark chooses
+        each convolution's algorithm in this thread (one of :class:`_ChoosingThreads`). Measured on the H200 (fp16,
+        one thread): the captures after such a pass 57.3 s against 160.5 s without it, the graphs as fast
+        (``benchmarks/cudnn_benchmark_limit.py``)."""
         eager = {"generator": self._step, "final": self._final}
-        try:
-            with self._lock, self._precision():
-                for kind, size, batch in steps:
-                    eager[kind](*self._zeros(kind, size, batch))
-                if self.on_cuda:
-                    torch.cuda.synchronize(self.device)
-        except Exception as exc:  # noqa: BLE001 - out of memory beside the workers, say: the captures choose as before
-            say(f"warmup: cuDNN's algorithms not chosen beside the workers ({type(exc).__name__}: {exc}); the "
-                f"captures choose them")
-            return
-        finally:
-            if self.on_cuda:
-                torch.cuda.empty_cache()  # the eager activations' blocks: the captures allocate from their own pool
-        say(f"warmup: cuDNN's algorithms chosen for {len(steps)} step shapes while the workers compile "
-            f"({time.perf_counter() - started:.0f} s)")
+        for kind, size, batch in shapes:
+            eager[kind](*self._zeros(kind, size, batch))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _await_choices(self, choosing: list[concurrent.futures.Future], threads: _ChoosingThreads, started: float,
+                       say: Callable[[str], None]) -> None:
+        """Wait for the choosing threads; one that failed (out of memory, say) is said: its shapes' captures then
+        choose their algorithms themselves, as they would without it."""
+        failed = []
+        for future, group in zip(choosing, threads.groups):
+            exc = future.exception()
+            if exc is not None:
+                failed.append(f"{len(group)} shapes ({type(exc).__name__}: {exc})")
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the eager activations' blocks: the captures allocate from their own pool
+        shapes = sum(len(group) for group in threads.groups)
+        if failed:
+            say(f"warmup: cuDNN's algorithms not chosen beforehand for {'; '.join(failed)}; their captures choose them")
+        elif shapes:
+            say(f"warmup: cuDNN's algorithms chosen for {shapes} step shapes in {len(threads.groups)} threads "
+                f"({time.perf_counter() - started:.0f} s since the start)")
 
     def _capture_plan(self, step_sizes: tuple[int, ...]) -> list[tuple[str, int, int]]:
         """Every ``(kind, frames, batch)`` :meth:`warmup` captures, compiles first (the smallest batch of each
@@ -567,7 +649,7 @@ class CompiledBackend:
         started = time.perf_counter()
         with self._precision():
             self._compiled[kind](*self._example(kind, size, self.batch_sizes[0]))
-            if self.on_cuda:
+            if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         return time.perf_counter() - started
 
@@ -603,8 +685,9 @@ class CompiledBackend:
                 *frames]
 
 
-def warmup_summary(seconds: dict[str, float]) -> str:
-    """Where warmup's time went: by kind, by step size, by batch size, and the slowest shapes (what to trim)."""
+def warmup_summary(seconds: dict[str, float], first_calls: dict[str, float] | None = None) -> str:
+    """Where warmup's time went: the graphs' first calls (compiles or loads), then the captures by kind, by step
+    size, by batch size, and the slowest shapes (what to trim)."""
     def by(part: Callable[[str], str]) -> str:
         totals: dict[str, float] = {}
         for shape, s in seconds.items():
@@ -612,7 +695,9 @@ def warmup_summary(seconds: dict[str, float]) -> str:
         return ", ".join(f"{key} {s:.1f}" for key, s in totals.items())
 
     slowest = sorted(seconds.items(), key=lambda kv: -kv[1])[:5]
-    return (f"warmup: {len(seconds)} shapes in {sum(seconds.values()):.1f} s; by kind: "
+    loads = (f"first calls {sum(first_calls.values()):.1f} s ({', '.join(f'{k} {s:.1f}' for k, s in first_calls.items())}); "
+             if first_calls else "")
+    return (f"warmup: {loads}{len(seconds)} shapes captured in {sum(seconds.values()):.1f} s; by kind: "
             f"{by(lambda k: k.split(':')[0])}; by frames: {by(lambda k: k.split(':')[1].split('x')[0])}; by batch: "
             f"{by(lambda k: k.split('x')[1])}; slowest: {', '.join(f'{k} {s:.1f}' for k, s in slowest)}")
 

@@ -89,6 +89,9 @@ class CudaOptions:
     # frames). Opt-in: it starts faster but its step costs 13-20 % more device time per row on the H200, so it
     # carries fewer streams near capacity (BENCHMARKS.md, "The stream step in a window, measured").
     step_window: bool = False
+    # The compiled engine's warmup: threads that choose cuDNN's convolution algorithms side by side (torch keeps the
+    # choices per thread, so each also captures the shapes it chose for), while the warmup's thread loads the graphs.
+    cudnn_threads: int = 8
 
     def provider_options(self) -> dict[str, str]:
         return {"device_id": str(self.device_id), "use_tf32": "1" if self.use_tf32 else "0",
@@ -718,4 +721,4 @@ def _compiled_backend(manifest: Manifest, constants: StreamConstants, device: st
                            slots=cuda.slots, conv_layout=cuda.conv_layout, cache_layout=cuda.cache_layout,
                            compile_processes=cuda.compile_processes,
                            short_step_batch_sizes=cuda.short_step_batch_sizes, final_window=cuda.final_window,
-                           step_window=cuda.step_window)
+                           step_window=cuda.step_window, cudnn_threads=cuda.cudnn_threads)

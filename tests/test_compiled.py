@@ -464,48 +464,122 @@ def test_a_first_warmup_compiles_side_by_side_once(small_artifacts, tmp_path, mo
     assert precompile(engine, (), said.append) == markers[0] and said == []
 
 
-def test_the_start_chooses_convolution_algorithms_while_the_workers_compile(compiled_cpu, monkeypatch):
-    """A first start runs the eager step at every captured generator and final shape while its workers compile (in the
-    warmup's thread: cuDNN keeps its choices per thread); what that pass raises is said, and the workers' results
-    stand. On the CPU: the pass runs the eager step at those shapes, and the hook runs while the workers do."""
+def test_choosing_threads_deal_the_shapes_and_capture_where_they_chose():
+    """cuDNN keeps its choices per thread, so each generator or final shape is captured in the thread that chose its
+    algorithms; the shapes are dealt round the threads largest first; the F0 step (no cuDNN) stays in the caller."""
+    import threading
+
+    import torch
+
+    from hift_runtime.compiled import _ChoosingThreads
+
+    shapes = [("generator", 24, 2), ("generator", 24, 256), ("generator", 8, 64), ("final", 28, 2), ("f0", 24, 2)]
+    threads = _ChoosingThreads(torch.device("cpu"), shapes, 2)
+    chose: dict[tuple, str] = {}
+    try:
+        for future in threads.choose(lambda group: chose.update({s: threading.current_thread().name for s in group})):
+            future.result()
+        assert threads.groups == [[("generator", 24, 256), ("final", 28, 2)],
+                                  [("generator", 8, 64), ("generator", 24, 2)]]
+        assert len(set(chose.values())) == 2 and ("f0", 24, 2) not in chose
+        for shape in shapes:
+            ran = threads.run(shape, lambda: threading.current_thread().name)
+            assert ran == chose.get(shape, threading.current_thread().name), shape
+    finally:
+        threads.close()
+    lone = _ChoosingThreads(torch.device("cpu"), shapes[:1], 8)  # never more threads than shapes
+    lone.close()
+    assert len(lone.groups) == 1
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_warmup_loads_graphs_while_threads_choose_and_captures_in_the_choosers(small_artifacts, monkeypatch, fail):
+    """The warmup's order on a stand-in device (the CPU playing CUDA, captures recorded): the choosing threads start,
+    the warmup's thread makes each graph's first call meanwhile, then every shape is captured, a generator or final
+    shape in the thread that chose for it. A thread whose choosing fails (out of memory) is said; its shapes are
+    captured all the same (the captures then choose)."""
+    import threading
+
+    import torch
+
+    import hift_runtime.compiled as compiled
+    from hift_runtime.manifest import read_manifest
+    from hift_runtime.noise import NoiseTable
+    from hift_runtime.streaming import StreamConstants
+
+    manifest = read_manifest(small_artifacts.out)
+    backend = compiled.CompiledBackend(manifest, StreamConstants.from_manifest(manifest.config, manifest.step),
+                                       device="cpu", compile=False, slots=4, cudnn_threads=2)
+    backend.use_noise_table(NoiseTable.seeded(0, 4096, backend.constants.num_sines))
+    backend.on_cuda = backend.cuda_graphs = True  # the warmup's CUDA path, its device calls stood in for below
+    events: list[tuple[str, str, tuple]] = []
+    real_choose = backend._choose_for
+
+    def choose_for(group):
+        events.append(("chose", threading.current_thread().name, tuple(group)))
+        if fail and ("final", backend.final_frames, 1) in group:
+            raise RuntimeError("CUDA out of memory")
+        real_choose(group)
+
+    def captured(fn, example, pool, mirrors):
+        events.append(("captured", threading.current_thread().name, tuple(t.shape for t in example)))
+        fn(*example)
+        return threading.current_thread().name
+
+    monkeypatch.setattr(backend, "_choose_for", choose_for)
+    monkeypatch.setattr(backend, "compile_shape", lambda kind, size: events.append(
+        ("first call", threading.current_thread().name, (kind, size))) or 0.0)
+    monkeypatch.setattr(compiled, "_Captured", captured)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    said: list[str] = []
+    backend.warmup((24, 8), progress=said.append)
+
+    main = threading.current_thread().name
+    chose = {shape: name for kind, name, group in events if kind == "chose" for shape in group}
+    assert sorted(chose) == [("final", backend.final_frames, 1), ("generator", 8, 1), ("generator", 24, 1)]
+    assert len(set(chose.values())) == 2 and main not in chose.values()
+    assert [e[2] for e in events if e[0] == "first call"] == [("generator", 24), ("generator", 8),
+                                                               ("final", backend.final_frames)]
+    assert all(e[1] == main for e in events if e[0] == "first call")
+    for shape, graph in backend._graphs.items():
+        assert graph == chose.get(shape, main), shape  # captured where chosen; F0 in the warmup's thread
+    assert len(backend._graphs) == 3 + 2  # the three steps, F0 at 24 and 8 frames (one batch size on the CPU)
+    if fail:
+        assert any("not chosen beforehand for 2 shapes (RuntimeError: CUDA out of memory); their captures choose "
+                   "them" in m for m in said), said
+    else:
+        assert any("chosen for 3 step shapes in 2 threads" in m for m in said), said
+    assert "first calls" in said[-1] and backend.first_call_seconds.keys() == {"generator:24", "generator:8",
+                                                                               f"final:{backend.final_frames}"}
+
+
+def test_each_worker_s_graph_is_loaded_as_soon_as_it_is_compiled():
+    """A first start loads each worker's graph in the warmup's thread as that worker is done, while the others still
+    compile; a load that fails is said (the warmup makes that call again after), and a failed worker's is not made."""
     import sys
+    import threading
 
     from hift_runtime.compile_workers import compile_side_by_side
 
-    backend, said = compiled_cpu.backend, []
-    before = backend.slots_in_use
-    backend._choose_convolution_algorithms([("generator", 24, 2), ("final", backend.final_frames, 3), ("f0", 2, 2)],
-                                           said.append)
-    assert len(said) == 1 and "chosen for 2 step shapes while the workers compile" in said[0], said
-    assert backend.slots_in_use == before  # (the scratch row only)
-    said.clear()
+    quick, slow = [sys.executable, "-c", "pass"], [sys.executable, "-c", "import time; time.sleep(2)"]
+    said: list[str] = []
+    loads: list[tuple[str, str, int]] = []
 
-    def out_of_memory(*args):
-        raise RuntimeError("CUDA out of memory")
+    def when_compiled(name: str) -> None:
+        loads.append((name, threading.current_thread().name, sum("compiled in a process" in m for m in said)))
+        if name == "b":
+            raise RuntimeError("out of memory")
 
-    with monkeypatch.context() as patch:
-        patch.setattr(backend, "_zeros", out_of_memory)
-        backend._choose_convolution_algorithms([("generator", 24, 2)], said.append)
-    assert said == ["warmup: cuDNN's algorithms not chosen beside the workers (RuntimeError: CUDA out of memory); "
-                    "the captures choose them"], said
-
-    worker = [sys.executable, "-c", "import time; time.sleep(1.5)"]
-    seen: list[list[str]] = []
-
-    def while_compiling() -> None:
-        seen.append(list(said))  # no worker has finished yet: the hook runs beside them, not after
-
-    said.clear()
-    seconds = compile_side_by_side({"a": worker, "b": worker}, 2, said.append, while_compiling=while_compiling)
-    assert seen == [[]] and all(s is not None for s in seconds.values()) and len(said) == 2
-
-    def failing() -> None:
-        raise RuntimeError("out of memory")
-
-    said.clear()
-    seconds = compile_side_by_side({"a": worker}, 2, said.append, while_compiling=failing)
-    assert seconds["a"] is not None
-    assert any("the work beside the workers failed (RuntimeError: out of memory); they go on" in m for m in said), said
+    seconds = compile_side_by_side({"a": quick, "b": quick, "slow": slow,
+                                    "bad": [sys.executable, "-c", "import sys; sys.exit(1)"]}, 4, said.append,
+                                   when_compiled=when_compiled)
+    assert seconds["bad"] is None and all(seconds[n] is not None for n in ("a", "b", "slow"))
+    assert sorted(name for name, _, _ in loads) == ["a", "b", "slow"]
+    assert all(thread == threading.current_thread().name for _, thread, _ in loads)
+    assert {name: done for name, _, done in loads}["a"] < 3  # before the slow worker was done
+    assert any("the first call of b beside the workers failed (RuntimeError: out of memory); the workers go on" in m
+               for m in said), said
 
 
 def test_the_warm_marker_names_what_the_graphs_depend_on(small_artifacts, tmp_path, monkeypatch):
