@@ -17,7 +17,7 @@ captured) and replays the 24-frame step's and the final step's graphs:
 * ``compiled+heuristic``: the compiled engine with cuDNN's benchmark off.
 
 Any arm may end in ``@N``: the warmup's threads that choose cuDNN's algorithms (``CudaOptions.cudnn_threads``;
-default the engine's). Since 2026-12-03 every warmup runs the eager step at each generator and final shape in those
+default the engine's: one per 8 GiB of free device memory, at most 8). Since 2026-12-03 every warmup runs the eager step at each generator and final shape in those
 threads first and captures each shape in the thread that chose for it (``hift_runtime.compiled._ChoosingThreads``);
 the ``eager+compiled`` arm that measured the idea on one thread (``cudnn-compiled-arms-fp16-h200.json``) is in the
 history (commit bcaedf3).
@@ -48,10 +48,10 @@ def one_arm(artifacts: str, precision: str, slots: int, arm: str) -> dict:
     """Warm up the arm's engine and time its graphs' replays."""
     import torch
 
-    from hift_runtime.compiled import DEFAULT_CUDNN_THREADS, STEP_SIZES, CompiledBackend, warmup_summary
+    from hift_runtime.compiled import STEP_SIZES, CompiledBackend, warmup_summary
 
     arm, _, threads = arm.partition("@")
-    cudnn_threads = int(threads) if threads else DEFAULT_CUDNN_THREADS
+    cudnn_threads = int(threads) if threads else None  # (None: the engine's default)
     from hift_runtime.manifest import read_manifest
     from hift_runtime.noise import NoiseTable
     from hift_runtime.streaming import StreamConstants

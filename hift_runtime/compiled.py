@@ -72,8 +72,18 @@ CONV_LAYOUTS = ("channels-first", "channels-last")
 # B = 2. In tf32 the transposes move into inductor's kernels (38.35 against 38.40 ms at B = 256), and fp32 runs NCHW
 # FFMA kernels (channels-last 18 % slower): both stay channels-first.
 DEFAULT_CONV_LAYOUT = {"fp32": "channels-first", "tf32": "channels-first", "fp16": "channels-last"}
-# Threads that choose cuDNN's convolution algorithms at warmup, side by side (_ChoosingThreads).
+# Threads that choose cuDNN's convolution algorithms at warmup, side by side (_ChoosingThreads): at most this many,
+# and one per CUDNN_THREAD_BYTES of free device memory (on the H200, fp16, eight threads reserved 55.9 GiB at most,
+# the slots' pool and the graphs' included: benchmarks/cudnn_benchmark_limit.py, arm 10@8). Eight against one: a
+# warm start of 153 s against 198 s on one H200 host (benchmarks/engine_start.py).
 DEFAULT_CUDNN_THREADS = 8
+CUDNN_THREAD_BYTES = 8 << 30
+
+
+def cudnn_threads_for_memory(free_bytes: int) -> int:
+    """The warmup's choosing threads when none are set: one per :data:`CUDNN_THREAD_BYTES` of free device memory, at
+    least one, at most :data:`DEFAULT_CUDNN_THREADS`."""
+    return max(1, min(DEFAULT_CUDNN_THREADS, free_bytes // CUDNN_THREAD_BYTES))
 
 
 def load_folded(manifest: Manifest, device: torch.device) -> tuple[Any, Any]:
@@ -211,13 +221,16 @@ class _CacheRows:
 
 
 class _ChoosingThreads:
-    """Threads that choose cuDNN's convolution algorithms for a warmup's generator and final shapes side by side, each
-    for its share, and then capture the shapes it chose for. Torch keeps cuDNN's choices per thread (``thread_local
-    BenchmarkCache`` in ATen's ``Conv_v8.cpp``): a capture finds them only in the thread that made them. Choosing is
-    mostly cuDNN building its candidates' plans on the host (the benchmark's limit changed nothing on the H200), which
-    threads can do side by side while the warmup's thread loads or compiles the graphs. The process-wide switches
-    (TF32, cuDNN's benchmark) are the warmup's, held by its thread for all of it; what is per thread (the device,
-    inference mode) each call here enters itself. The F0 step (GEMMs, no cuDNN) runs in the calling thread."""
+    """Threads that choose cuDNN's convolution algorithms for a warmup's generator and final shapes, each for its
+    share, and then capture the shapes it chose for. Torch keeps cuDNN's choices per thread (``thread_local
+    BenchmarkCache`` in ATen's ``Conv_v8.cpp``): a capture finds them only in the thread that made them, so the
+    choosing can run beside the rest of a start and the captures still find it done. Measured on the H200 (fp16, 55
+    shapes; BENCHMARKS.md, "cuDNN's choices in threads"): a first start chooses while its workers compile, and its
+    captures took 7.3 s against ~100 s; in a warm start the choosing runs beside the graphs' loads (153 s against 198 s
+    with one thread, one host), though cuDNN's choosing itself barely runs side by side (eight threads 96 s, one
+    ~106-130 s) and the threads' Python slows the loads. The process-wide switches (TF32, cuDNN's benchmark) are the
+    warmup's, held by its thread for all of it; what is per thread (the device, inference mode, a stream) each call
+    here enters itself. The F0 step (GEMMs, no cuDNN) runs in the calling thread."""
 
     def __init__(self, device: torch.device, shapes: list[tuple[str, int, int]], threads: int) -> None:
         # Largest first, dealt round: each thread a like share of the large shapes (their choosing is the longest).
@@ -279,7 +292,7 @@ class CompiledBackend:
     call per 24 frames (opt-in: a faster start, 92.5 s warm against 135-164 s on the H200, but its step costs 13-20 %
     more device time per row, so it carries fewer streams near the device's capacity; BENCHMARKS.md).
     ``cudnn_threads``: the threads that choose cuDNN's convolution algorithms at :meth:`warmup`, side by side, and
-    capture the shapes they chose for (:class:`_ChoosingThreads`).
+    capture the shapes they chose for (:class:`_ChoosingThreads`; None: :func:`cudnn_threads_for_memory`).
     """
 
     caches_in_place = True
@@ -293,7 +306,7 @@ class CompiledBackend:
                  slots: int = 2048, conv_layout: str | None = None, compile_processes: int = 5,
                  cache_layout: str = "channels-first",
                  short_step_batch_sizes: tuple[int, ...] | None = None, final_window: bool | None = None,
-                 step_window: bool = False, cudnn_threads: int = DEFAULT_CUDNN_THREADS) -> None:
+                 step_window: bool = False, cudnn_threads: int | None = None) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         conv_layout = DEFAULT_CONV_LAYOUT[precision] if conv_layout is None else conv_layout
@@ -302,13 +315,15 @@ class CompiledBackend:
                              f"got {conv_layout!r}")
         if cache_layout not in CONV_LAYOUTS:
             raise ValueError(f"cache_layout must be one of {CONV_LAYOUTS}, got {cache_layout!r}")
-        if cudnn_threads < 1:
+        if cudnn_threads is not None and cudnn_threads < 1:
             raise ValueError(f"cudnn_threads must be at least 1 (the threads that choose cuDNN's algorithms at warmup), "
                              f"got {cudnn_threads}")
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ArtifactError("the compiled engine was asked for CUDA, but torch sees no CUDA device (a CPU build "
                                 "of torch, or no GPU); use engine='ort' or device='cpu'")
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda": the current device, named (threads
+            self.device = torch.device("cuda", torch.cuda.current_device())  # at warmup set it, and need its index)
         if precision != "fp32" and self.device.type != "cuda":
             raise ValueError(f"precision {precision!r} is for CUDA devices; the CPU runs fp32")
         self.manifest, self.constants, self.precision, self.conv_layout = manifest, constants, precision, conv_layout
@@ -550,7 +565,10 @@ class CompiledBackend:
         started = time.perf_counter()
         marker = None
         shapes = self._capture_plan(step_sizes)
-        threads = _ChoosingThreads(self.device, shapes if self.cuda_graphs else [], self.cudnn_threads)
+        count = self.cudnn_threads
+        if count is None:
+            count = cudnn_threads_for_memory(torch.cuda.mem_get_info(self.device)[0]) if self.device.type == "cuda" else 1
+        threads = _ChoosingThreads(self.device, shapes if self.cuda_graphs else [], count)
         with contextlib.closing(threads), self._lock, self._precision():
             choosing = threads.choose(self._choose_for)
 

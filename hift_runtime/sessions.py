@@ -91,7 +91,8 @@ class CudaOptions:
     step_window: bool = False
     # The compiled engine's warmup: threads that choose cuDNN's convolution algorithms side by side (torch keeps the
     # choices per thread, so each also captures the shapes it chose for), while the warmup's thread loads the graphs.
-    cudnn_threads: int = 8
+    # None: one per 8 GiB of free device memory, at most 8 (hift_runtime.compiled.cudnn_threads_for_memory).
+    cudnn_threads: int | None = None
 
     def provider_options(self) -> dict[str, str]:
         return {"device_id": str(self.device_id), "use_tf32": "1" if self.use_tf32 else "0",
@@ -671,6 +672,9 @@ def open_vocoder(artifacts: str | os.PathLike[str], *, device: Device = "auto",
         if cuda.final_window or cuda.step_window:
             raise ValueError("CudaOptions.final_window and step_window are the compiled engine's (engine='compiled'); "
                              "ONNX Runtime's steps take any count of frames")
+        if cuda.cudnn_threads is not None:
+            raise ValueError("CudaOptions.cudnn_threads is the compiled engine's (engine='compiled'); ONNX Runtime "
+                             "chooses its convolution algorithms itself (cudnn_conv_algo_search)")
         backend = OrtBackend(manifest, constants, device=device, cuda=cuda, intra_op_threads=intra_op_threads)
         on_gpu = backend.generator_provider == CUDA
     if batching is None:

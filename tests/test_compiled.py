@@ -492,6 +492,18 @@ def test_choosing_threads_deal_the_shapes_and_capture_where_they_chose():
     assert len(lone.groups) == 1
 
 
+def test_the_choosing_threads_default_to_what_the_device_memory_holds(small_artifacts, compiled_cpu):
+    from hift_runtime.compiled import CUDNN_THREAD_BYTES, CompiledBackend, cudnn_threads_for_memory
+    from hift_runtime.sessions import CudaOptions
+
+    assert cudnn_threads_for_memory(0) == 1 and cudnn_threads_for_memory(3 * CUDNN_THREAD_BYTES + 1) == 3
+    assert cudnn_threads_for_memory(135 << 30) == 8  # an H200's free memory: the default's eight
+    with pytest.raises(ValueError, match="cudnn_threads must be at least 1"):
+        CompiledBackend(compiled_cpu.backend.manifest, compiled_cpu.constants, device="cpu", cudnn_threads=0)
+    with pytest.raises(ValueError, match="cudnn_threads is the compiled engine's"):
+        open_vocoder(small_artifacts.out, device="cpu", engine="ort", cuda=CudaOptions(cudnn_threads=2))
+
+
 @pytest.mark.parametrize("fail", [False, True])
 def test_warmup_loads_graphs_while_threads_choose_and_captures_in_the_choosers(small_artifacts, monkeypatch, fail):
     """The warmup's order on a stand-in device (the CPU playing CUDA, captures recorded): the choosing threads start,
