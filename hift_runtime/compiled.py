@@ -316,8 +316,8 @@ class CompiledBackend:
         if cache_layout not in CONV_LAYOUTS:
             raise ValueError(f"cache_layout must be one of {CONV_LAYOUTS}, got {cache_layout!r}")
         if cudnn_threads is not None and cudnn_threads < 1:
-            raise ValueError(f"cudnn_threads must be at least 1 (the threads that choose cuDNN's algorithms at warmup), "
-                             f"got {cudnn_threads}")
+            raise ValueError(f"cudnn_threads must be at least 1 (the threads that choose cuDNN's algorithms at "
+                             f"warmup), got {cudnn_threads}")
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ArtifactError("the compiled engine was asked for CUDA, but torch sees no CUDA device (a CPU build "
@@ -567,9 +567,11 @@ class CompiledBackend:
         shapes = self._capture_plan(step_sizes)
         count = self.cudnn_threads
         if count is None:
-            count = cudnn_threads_for_memory(torch.cuda.mem_get_info(self.device)[0]) if self.device.type == "cuda" else 1
+            count = (cudnn_threads_for_memory(torch.cuda.mem_get_info(self.device)[0]) if self.device.type == "cuda"
+                     else 1)
         threads = _ChoosingThreads(self.device, shapes if self.cuda_graphs else [], count)
-        with contextlib.closing(threads), self._lock, self._precision():
+        # (closed, its threads joined, before the switches they run under are restored)
+        with self._lock, self._precision(), contextlib.closing(threads):
             choosing = threads.choose(self._choose_for)
 
             def first_call(kind: str, size: int) -> None:
@@ -713,8 +715,11 @@ def warmup_summary(seconds: dict[str, float], first_calls: dict[str, float] | No
         return ", ".join(f"{key} {s:.1f}" for key, s in totals.items())
 
     slowest = sorted(seconds.items(), key=lambda kv: -kv[1])[:5]
-    loads = (f"first calls {sum(first_calls.values()):.1f} s ({', '.join(f'{k} {s:.1f}' for k, s in first_calls.items())}); "
-             if first_calls else "")
+    loads = ""
+    if first_calls:
+        each = ", ".join(f"{k} {s:.1f}" for k, s in first_calls.items())
+        loads = f"first calls {sum(first_calls.values()):.1f} s ({each}); "
+
     return (f"warmup: {loads}{len(seconds)} shapes captured in {sum(seconds.values()):.1f} s; by kind: "
             f"{by(lambda k: k.split(':')[0])}; by frames: {by(lambda k: k.split(':')[1].split('x')[0])}; by batch: "
             f"{by(lambda k: k.split('x')[1])}; slowest: {', '.join(f'{k} {s:.1f}' for k, s in slowest)}")
