@@ -34,7 +34,6 @@ import contextlib
 import datetime as dt
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -48,6 +47,7 @@ def one_arm(artifacts: str, precision: str, slots: int, arm: str) -> dict:
     """Warm up the arm's engine and time its graphs' replays."""
     import torch
 
+    from engine_start import replay_ms  # (beside this script: its folder is first on the path)
     from hift_runtime.compiled import STEP_SIZES, CompiledBackend, warmup_summary
 
     arm, _, threads = arm.partition("@")
@@ -92,19 +92,7 @@ def one_arm(artifacts: str, precision: str, slots: int, arm: str) -> dict:
     result["warmup_s"] = round(time.perf_counter() - started, 1)
     result["summary"] = warmup_summary(backend.warmup_seconds, backend.first_call_seconds)
     result["said"] = [m for m in said if "step shapes captured" not in m]
-    replay_ms: dict[str, float] = {}
-    for kind, size in (("generator", max(STEP_SIZES)), ("final", backend.final_frames)):
-        for batch in BATCHES:
-            graph = backend._graphs[(kind, size, batch)].graph
-            times = []
-            for _ in range(REPLAYS):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                graph.replay()
-                torch.cuda.synchronize()
-                times.append((time.perf_counter() - t0) * 1e3)
-            replay_ms[f"{kind}@{size}x{batch}"] = round(statistics.median(times), 3)
-    result["replay_ms_median"] = replay_ms
+    result["replay_ms_median"] = replay_ms(backend, BATCHES, REPLAYS)
     result["warmup_seconds_by_shape"] = backend.warmup_seconds
     result["max_memory_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 1)  # workspaces included
     return result

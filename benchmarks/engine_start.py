@@ -22,6 +22,26 @@ REPLAYS = 30
 BATCHES = (2, 64, 256)
 
 
+def replay_ms(backend, batches: tuple[int, ...] = BATCHES, replays: int = REPLAYS) -> dict[str, float]:
+    """The median replay (ms, device synchronized around each) of ``backend``'s captured 24-frame step and final step
+    at each of ``batches``, keyed ``kind@frames x batch`` (also ``cudnn_benchmark_limit.py``'s)."""
+    import torch
+
+    medians: dict[str, float] = {}
+    for kind, size in (("generator", 24), ("final", backend.final_frames)):
+        for batch in batches:
+            graph = backend._graphs[(kind, size, batch)].graph
+            times = []
+            for _ in range(replays):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                graph.replay()
+                torch.cuda.synchronize()
+                times.append((time.perf_counter() - t0) * 1e3)
+            medians[f"{kind}@{size}x{batch}"] = round(statistics.median(times), 3)
+    return medians
+
+
 def stream_vs_offline_db(vocoder, frames: int = 300, chunk: int = 24) -> tuple[float, int]:
     """SNR (dB) of a stream pushed in ``chunk``-frame pieces against the offline pass of the same mel (the stream
     runs the captured graphs, the offline pass the eager step), and the samples compared."""
@@ -53,8 +73,6 @@ def main() -> None:
     def say(message: str) -> None:
         print(f"[{time.perf_counter() - started:6.1f} s] {message}", flush=True)
 
-    import torch
-
     from hift_runtime import CudaOptions, open_vocoder
     from hift_runtime.compiled import compile_count
 
@@ -68,18 +86,9 @@ def main() -> None:
                     "cudnn_threads": args.cudnn_threads, "open_and_warmup_s": round(time.perf_counter() - started, 1),
                     "first_call_seconds": backend.first_call_seconds, "warmup_seconds": backend.warmup_seconds}
     say("open and warmup done")
-    for kind, size in (("generator", 24), ("final", backend.final_frames)):
-        for batch in BATCHES:
-            graph = backend._graphs[(kind, size, batch)].graph
-            times = []
-            for _ in range(REPLAYS):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                graph.replay()
-                torch.cuda.synchronize()
-                times.append((time.perf_counter() - t0) * 1e3)
-            result[f"replay_ms {kind}@{size}x{batch}"] = round(statistics.median(times), 3)
-            say(f"replay {kind}@{size}x{batch}: {result[f'replay_ms {kind}@{size}x{batch}']} ms (median of {REPLAYS})")
+    for shape, ms in replay_ms(backend).items():
+        result[f"replay_ms {shape}"] = ms
+        say(f"replay {shape}: {ms} ms (median of {REPLAYS})")
     result["stream_vs_offline_db"], samples = stream_vs_offline_db(vocoder)
     result["compiles_after_warmup"] = compile_count() - backend.compiles_at_warmup
     say(f"a stream against the offline pass: {result['stream_vs_offline_db']:.1f} dB over {samples} samples; "
