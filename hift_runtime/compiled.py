@@ -45,7 +45,7 @@ import torch
 from .arrays import byte_view, copy_rows
 from .manifest import FOLDED_WEIGHTS, ArtifactError, Manifest
 from .noise import NoiseTable
-from .sessions import OFFLINE_SLOTS, PRECISIONS
+from .sessions import DEFAULT_CUDNN_THREADS, OFFLINE_SLOTS, PRECISIONS
 from .slots import SlotRows
 from .streaming import StreamConstants
 
@@ -72,11 +72,9 @@ CONV_LAYOUTS = ("channels-first", "channels-last")
 # B = 2. In tf32 the transposes move into inductor's kernels (38.35 against 38.40 ms at B = 256), and fp32 runs NCHW
 # FFMA kernels (channels-last 18 % slower): both stay channels-first.
 DEFAULT_CONV_LAYOUT = {"fp32": "channels-first", "tf32": "channels-first", "fp16": "channels-last"}
-# Threads that choose cuDNN's convolution algorithms at warmup, side by side (_ChoosingThreads): at most this many,
-# and one per CUDNN_THREAD_BYTES of free device memory (on the H200, fp16, eight threads reserved 55.9 GiB at most,
-# the slots' pool and the graphs' included: benchmarks/cudnn_benchmark_limit.py, arm 10@8). Eight against one: a
-# warm start of 153 s against 198 s on one H200 host (benchmarks/engine_start.py).
-DEFAULT_CUDNN_THREADS = 8
+# The warmup's threads that choose cuDNN's convolution algorithms (_ChoosingThreads), where none are set: at most
+# DEFAULT_CUDNN_THREADS, and one per CUDNN_THREAD_BYTES of free device memory (on the H200, fp16, eight threads
+# reserved 55.9 GiB at most, the slots' pool and the graphs' included: benchmarks/cudnn_benchmark_limit.py, 10@8).
 CUDNN_THREAD_BYTES = 8 << 30
 
 

@@ -145,6 +145,9 @@ def _parser() -> argparse.ArgumentParser:
                         "process i on every port + 10 x i; clients shard streams by id over their gRPC addresses "
                         "(one process answers ~660 requests/s; default 1; on a GPU with the compiled engine use 2: "
                         "on an H200 two kept 384-512 real-time streams where one kept 256)")
+    p.add_argument("--cudnn-threads", type=int, default=None,
+                   help="the compiled engine's warmup: threads that choose cuDNN's convolution algorithms (default: "
+                        "one per 8 GiB of free GPU memory, at most 8; with --processes N, each process 8 // N)")
     p.add_argument("--max-streams", type=int, default=None,
                    help="open streams at most; a start beyond it is refused with an overload message (default: what "
                         "the device holds: its cache slots on the GPU, a quarter of the free memory on the CPU)")
@@ -174,9 +177,10 @@ def busy_port(host: str, ports: dict[str, int]) -> str | None:
 
 
 def open_table(args: argparse.Namespace) -> tuple[StreamingVocoder, StreamTable]:
-    from .sessions import open_vocoder
+    from .sessions import CudaOptions, open_vocoder
 
-    vocoder = open_vocoder(args.artifacts, device=args.device, noise_seed=args.noise_seed, phase=args.phase,
+    cuda = None if args.cudnn_threads is None else CudaOptions(cudnn_threads=args.cudnn_threads)
+    vocoder = open_vocoder(args.artifacts, device=args.device, cuda=cuda, noise_seed=args.noise_seed, phase=args.phase,
                            batching=True, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
                            max_streams=args.max_streams, idle_timeout_s=args.idle_timeout_s, engine=args.engine,
                            precision=args.precision, devices=serving_gpus(args.gpus, args.device))

@@ -8,7 +8,8 @@ shard streams by id over the processes' gRPC addresses (``ShardedClient``, or a 
 ``hift-stream-id`` header), as they do over several hosts.
 
 Process ``i`` listens on every port given plus ``i * PORT_STRIDE`` (defaults: 8000-8003, 8010-8013, ...), opens at
-most ``ceil(max_streams / N)`` streams, and writes Triton's log to ``--triton-log`` with ``.i`` appended.
+most ``ceil(max_streams / N)`` streams, chooses cuDNN's algorithms at warmup in ``8 // N`` threads (their
+warmups run at once on the GPU), and writes Triton's log to ``--triton-log`` with ``.i`` appended.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import sys
 import threading
 import time
 from typing import Any
+
+from .sessions import DEFAULT_CUDNN_THREADS
 
 PORT_STRIDE = 10
 PORT_OPTIONS = ("--grpc-port", "--http-port", "--metrics-port", "--state-metrics-port")
@@ -37,6 +40,8 @@ def process_argv(args: argparse.Namespace, argv: list[str], i: int, processes: i
         own += [option, str(port_of(args, option, i))]
     if args.max_streams is not None:
         own += ["--max-streams", str(-(-args.max_streams // processes))]
+    if args.cudnn_threads is None and processes > 1:  # the warmups run at once on the GPU: each its share of memory
+        own += ["--cudnn-threads", str(max(1, DEFAULT_CUDNN_THREADS // processes))]
     if args.triton_log:
         own += ["--triton-log", f"{args.triton_log}.{i}"]
     return [*argv, *own]

@@ -91,7 +91,8 @@ class CudaOptions:
     step_window: bool = False
     # The compiled engine's warmup: threads that choose cuDNN's convolution algorithms side by side (torch keeps the
     # choices per thread, so each also captures the shapes it chose for), while the warmup's thread loads the graphs.
-    # None: one per 8 GiB of free device memory, at most 8 (hift_runtime.compiled.cudnn_threads_for_memory).
+    # None: one per 8 GiB of free device memory, at most DEFAULT_CUDNN_THREADS
+    # (hift_runtime.compiled.cudnn_threads_for_memory). ONNX Runtime chooses its own algorithms and ignores it.
     cudnn_threads: int | None = None
 
     def provider_options(self) -> dict[str, str]:
@@ -99,6 +100,10 @@ class CudaOptions:
                 "cudnn_conv_algo_search": self.cudnn_conv_algo_search}
 
 
+# The most threads the compiled engine's warmup chooses cuDNN's algorithms in (CudaOptions.cudnn_threads): eight
+# against one, a warm start of 153 s against 198 s on one H200 host (BENCHMARKS.md, "cuDNN's choices in threads").
+# Several server processes on one GPU share it (hift-serve --processes N: each process DEFAULT_CUDNN_THREADS // N).
+DEFAULT_CUDNN_THREADS = 8
 # Slots kept beside max_streams for offline passes (vocode()), which take a slot while they run.
 OFFLINE_SLOTS = 4
 # The most streams a default (stream_capacity on the CPU) admits, whatever the memory.
@@ -672,9 +677,6 @@ def open_vocoder(artifacts: str | os.PathLike[str], *, device: Device = "auto",
         if cuda.final_window or cuda.step_window:
             raise ValueError("CudaOptions.final_window and step_window are the compiled engine's (engine='compiled'); "
                              "ONNX Runtime's steps take any count of frames")
-        if cuda.cudnn_threads is not None:
-            raise ValueError("CudaOptions.cudnn_threads is the compiled engine's (engine='compiled'); ONNX Runtime "
-                             "chooses its convolution algorithms itself (cudnn_conv_algo_search)")
         backend = OrtBackend(manifest, constants, device=device, cuda=cuda, intra_op_threads=intra_op_threads)
         on_gpu = backend.generator_provider == CUDA
     if batching is None:

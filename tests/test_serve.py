@@ -599,6 +599,11 @@ def test_each_of_several_processes_gets_its_own_ports_stream_share_and_log():
     assert (child.processes, child.http_port, child.grpc_port, child.metrics_port, child.state_metrics_port) == \
         (1, 8020, 8021, 8022, 8023)
     assert child.max_streams == 34 and child.triton_log == "t.log.2" and child.artifacts == "a"
+    assert child.cudnn_threads == 2  # their warmups run at once on the GPU: each 8 // 3 choosing threads
+    given = argv + ["--cudnn-threads", "5"]
+    assert _parser().parse_args(process_argv(_parser().parse_args(given), given, 2, 3)).cudnn_threads == 5
+    alone = ["--artifacts", "a"]
+    assert _parser().parse_args(process_argv(_parser().parse_args(alone), alone, 0, 1)).cudnn_threads is None
     from hift_runtime.server_processes import ports_of
 
     ports = ports_of(_parser().parse_args(argv), 3)  # what the busy-port check probes, named as its message says
