@@ -571,6 +571,9 @@ class CompiledBackend:
         # (closed, its threads joined, before the switches they run under are restored)
         with self._lock, self._precision(), contextlib.closing(threads):
             choosing = threads.choose(self._choose_for)
+            if threads.groups:
+                say(f"warmup: choosing cuDNN's algorithms for {len(threads.owner)} step shapes in "
+                    f"{len(threads.groups)} threads; the step graphs are loaded (or compiled) meanwhile")
 
             def first_call(kind: str, size: int) -> None:
                 if f"{kind}:{size}" in self.first_call_seconds:
