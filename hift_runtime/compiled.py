@@ -634,12 +634,11 @@ class CompiledBackend:
                 failed.append(f"{len(group)} shapes ({type(exc).__name__}: {exc})")
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the eager activations' blocks: the captures allocate from their own pool
-        shapes = sum(len(group) for group in threads.groups)
         if failed:
             say(f"warmup: cuDNN's algorithms not chosen beforehand for {'; '.join(failed)}; their captures choose them")
-        elif shapes:
-            say(f"warmup: cuDNN's algorithms chosen for {shapes} step shapes in {len(threads.groups)} threads "
-                f"({time.perf_counter() - started:.0f} s since the start)")
+        elif threads.groups:
+            say(f"warmup: cuDNN's algorithms chosen for {len(threads.owner)} step shapes in {len(threads.groups)} "
+                f"threads ({time.perf_counter() - started:.0f} s since the start)")
 
     def _capture_plan(self, step_sizes: tuple[int, ...]) -> list[tuple[str, int, int]]:
         """Every ``(kind, frames, batch)`` :meth:`warmup` captures, compiles first (the smallest batch of each
