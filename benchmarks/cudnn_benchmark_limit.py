@@ -49,13 +49,12 @@ def one_arm(artifacts: str, precision: str, slots: int, arm: str) -> dict:
 
     from engine_start import replay_ms  # (beside this script: its folder is first on the path)
     from hift_runtime.compiled import STEP_SIZES, CompiledBackend, warmup_summary
-
-    arm, _, threads = arm.partition("@")
-    cudnn_threads = int(threads) if threads else None  # (None: the engine's default)
     from hift_runtime.manifest import read_manifest
     from hift_runtime.noise import NoiseTable
     from hift_runtime.streaming import StreamConstants
 
+    arm, _, threads = arm.partition("@")
+    cudnn_threads = int(threads) if threads else None  # (None: the engine's default)
     compiled = arm in ("compiled", "compiled+heuristic")
     heuristic = arm in ("heuristic", "compiled+heuristic")
     if heuristic:
@@ -74,18 +73,13 @@ def one_arm(artifacts: str, precision: str, slots: int, arm: str) -> dict:
     constants = StreamConstants.from_manifest(manifest.config, manifest.step)
     noise = NoiseTable.seeded(0, constants.noise_table_length, constants.num_sines)
 
-    def engine(compile: bool, cuda_graphs: bool = True) -> CompiledBackend:
-        backend = CompiledBackend(manifest, constants, device="cuda", precision=precision, compile=compile,
-                                  cuda_graphs=cuda_graphs, slots=slots, final_window=True,
-                                  cudnn_threads=cudnn_threads)
-        backend.use_noise_table(noise)
-        return backend
-
     result: dict = {"arm": arm, "cudnn_threads": cudnn_threads, "benchmark_limit": torch.backends.cudnn.benchmark_limit,
                     "cudnn_benchmark": not heuristic,
                     "cudnn_v8_api_disabled_env": os.environ.get("TORCH_CUDNN_V8_API_DISABLED"),
                     "cudnn_version": torch.backends.cudnn.version()}
-    backend = engine(compiled)
+    backend = CompiledBackend(manifest, constants, device="cuda", precision=precision, compile=compiled, slots=slots,
+                              final_window=True, cudnn_threads=cudnn_threads)
+    backend.use_noise_table(noise)
     said: list[str] = []
     started = time.perf_counter()
     backend.warmup(STEP_SIZES, progress=said.append)
