@@ -14,7 +14,10 @@ captured) and replays the 24-frame step's and the final step's graphs:
   execution plans to build; whether a torch build still honours it, the arm's timings say);
 * ``compiled``: the engine as it starts (torch.compile; a first arm on a fresh cache compiles side by side, later
   ones load inductor's cache);
-* ``compiled+heuristic``: the compiled engine with cuDNN's benchmark off.
+* ``compiled+heuristic``: the compiled engine with cuDNN's benchmark off;
+* ``heuristic-b``, ``compiled+heuristic-b``: the same under cuDNN's heuristic mode B
+  (``TORCH_CUDNN_USE_HEURISTIC_MODE_B=1``: its slower, more exact heuristic, where the default is its instant one):
+  whether its first choice runs as fast as the benchmark's, with nothing timed at a start.
 
 Any arm may end in ``@N``: the warmup's threads that choose cuDNN's algorithms (``CudaOptions.cudnn_threads``;
 default the engine's: one per 8 GiB of free device memory, at most 8). Since 2026-12-03 every warmup runs the eager
@@ -40,7 +43,7 @@ import time
 
 REPLAYS = 30
 BATCHES = (2, 64, 256)
-ARMS = ("heuristic", "v7", "compiled", "compiled+heuristic")
+ARMS = ("heuristic", "heuristic-b", "v7", "compiled", "compiled+heuristic", "compiled+heuristic-b")
 
 
 def one_arm(artifacts: str, precision: str, slots: int, arm: str) -> dict:
@@ -55,8 +58,8 @@ def one_arm(artifacts: str, precision: str, slots: int, arm: str) -> dict:
 
     arm, _, threads = arm.partition("@")
     cudnn_threads = int(threads) if threads else None  # (None: the engine's default)
-    compiled = arm in ("compiled", "compiled+heuristic")
-    heuristic = arm in ("heuristic", "compiled+heuristic")
+    compiled = arm.startswith("compiled")
+    heuristic = "heuristic" in arm
     if heuristic:
         engine_precision = CompiledBackend._precision
 
@@ -76,6 +79,7 @@ def one_arm(artifacts: str, precision: str, slots: int, arm: str) -> dict:
     result: dict = {"arm": arm, "cudnn_threads": cudnn_threads, "benchmark_limit": torch.backends.cudnn.benchmark_limit,
                     "cudnn_benchmark": not heuristic,
                     "cudnn_v8_api_disabled_env": os.environ.get("TORCH_CUDNN_V8_API_DISABLED"),
+                    "cudnn_heuristic_mode_b_env": os.environ.get("TORCH_CUDNN_USE_HEURISTIC_MODE_B"),
                     "cudnn_version": torch.backends.cudnn.version()}
     backend = CompiledBackend(manifest, constants, device="cuda", precision=precision, compile=compiled, slots=slots,
                               final_window=True, cudnn_threads=cudnn_threads)
@@ -116,6 +120,8 @@ def main() -> None:
     for arm in arms:
         name, at, threads = arm.partition("@")
         env = dict(os.environ, TORCH_CUDNN_V8_API_DISABLED="1") if name == "v7" else None
+        if name.endswith("heuristic-b"):  # (read once, at a process's first convolution)
+            env = dict(os.environ, TORCH_CUDNN_USE_HEURISTIC_MODE_B="1")
         child = ("10" if name == "v7" else name) + at + threads
         done = subprocess.run([sys.executable, __file__, "--artifacts", args.artifacts, "--precision", args.precision,
                                "--slots", str(args.slots), "--child", child],
