@@ -473,6 +473,9 @@ def main() -> None:
     p.add_argument("--step-window", action="store_true",
                    help="the compiled engine's stream step as one graph over its window (CudaOptions.step_window: "
                         "a faster start, more device time per row)")
+    p.add_argument("--cudnn-algorithms", choices=["benchmark", "heuristics"], default=None,
+                   help="how cuDNN chooses the compiled engine's convolution algorithms (CudaOptions.cudnn_algorithms; "
+                        "default: the precision's)")
     p.add_argument("--inline-lone-calls", choices=["on", "off"], default=None,
                    help="the scheduler's inline_lone_calls (in process: a quiet lone push's calls in the scheduling "
                         "thread; default: the engine's, on for the compiled engine's CUDA graphs)")
@@ -538,10 +541,10 @@ def main() -> None:
     # Each K runs under every (switch interval, queue_behind, scheduler) variant, one after the other, on the same
     # open vocoder.
     variants = [(ms, qb, d) for ms in intervals_ms for qb in queue_behinds for d in drivers]
-    if (args.conv_layout or args.cache_layout or args.short_step_batches) and \
+    if (args.conv_layout or args.cache_layout or args.short_step_batches or args.cudnn_algorithms) and \
             (args.engine != "compiled" or "served" in args.configs):
-        p.error("--conv-layout, --cache-layout and --short-step-batches are for the compiled engine in process "
-                "(hift-serve runs the engine's defaults)")
+        p.error("--conv-layout, --cache-layout, --short-step-batches and --cudnn-algorithms are for the compiled "
+                "engine in process (hift-serve runs the engine's defaults)")
     for name in args.configs.split(","):
         t0 = time.perf_counter()
         if name == "served":
@@ -573,7 +576,7 @@ def main() -> None:
                                                else tuple(int(b) for b in args.short_step_batches.split(",")))
                 if args.final_window:
                     cuda = dataclasses.replace(cuda, final_window=args.final_window == "on")
-                cuda = dataclasses.replace(cuda, step_window=args.step_window)
+                cuda = dataclasses.replace(cuda, step_window=args.step_window, cudnn_algorithms=args.cudnn_algorithms)
             precision = args.precision if engine == "compiled" else ("tf32" if cuda.use_tf32 else args.precision)
             vocoder = open_vocoder(args.artifacts, device=args.device, cuda=cuda, batching=options[1], engine=engine,
                                    precision=precision, devices=args.gpus)
@@ -617,6 +620,7 @@ def main() -> None:
                                       "short_step_batch_sizes": getattr(backend, "short_step_batch_sizes", None),
                                       "final_window_frames": getattr(backend, "final_window_frames", None),
                                       "step_window_frames": getattr(backend, "step_window_frames", None),
+                                      "cudnn_algorithms": getattr(backend, "cudnn_algorithms", None),
                                       "engine": (f"hift-serve --frontend {args.served_frontend} --engine {args.engine} --precision {args.precision}"
                                                  + (f" x {args.served_processes} processes" if args.served_processes > 1 else "")
                                                  if name == "served" else

@@ -34,6 +34,7 @@ import concurrent.futures
 import contextlib
 import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -45,7 +46,8 @@ import torch
 from .arrays import byte_view, copy_rows
 from .manifest import FOLDED_WEIGHTS, ArtifactError, Manifest
 from .noise import NoiseTable
-from .sessions import DEFAULT_CUDNN_THREADS, OFFLINE_SLOTS, PRECISIONS
+from .sessions import (CUDNN_ALGORITHMS, DEFAULT_CUDNN_ALGORITHMS, DEFAULT_CUDNN_THREADS, OFFLINE_SLOTS, PRECISIONS,
+                       cudnn_threads_at_most)
 from .slots import SlotRows
 from .streaming import StreamConstants
 
@@ -76,12 +78,26 @@ DEFAULT_CONV_LAYOUT = {"fp32": "channels-first", "tf32": "channels-first", "fp16
 # DEFAULT_CUDNN_THREADS, and one per CUDNN_THREAD_BYTES of free device memory (on the H200, fp16, eight threads
 # reserved 55.9 GiB at most, the slots' pool and the graphs' included: benchmarks/cudnn_benchmark_limit.py, 10@8).
 CUDNN_THREAD_BYTES = 8 << 30
+# Torch reads it once, at a process's first convolution that cuDNN's heuristics choose for (ATen's ConvUtils.h): the
+# engine sets it before its own first one, which is in time unless other convolutions ran before in the process.
+HEURISTIC_MODE_B_ENV = "TORCH_CUDNN_USE_HEURISTIC_MODE_B"
 
 
-def cudnn_threads_for_memory(free_bytes: int) -> int:
+def use_heuristic_mode_b() -> bool:
+    """Ask torch for cuDNN's heuristic mode B (:data:`HEURISTIC_MODE_B_ENV`), unless the environment says otherwise;
+    whether it is asked for."""
+    return heuristic_mode_b_asked(os.environ.setdefault(HEURISTIC_MODE_B_ENV, "1"))
+
+
+def heuristic_mode_b_asked(value: str) -> bool:
+    """Whether :data:`HEURISTIC_MODE_B_ENV`'s ``value`` asks for mode B (the words torch's ``check_env`` takes)."""
+    return value.strip().lower() in ("1", "on", "true", "yes", "y")
+
+
+def cudnn_threads_for_memory(free_bytes: int, at_most: int = DEFAULT_CUDNN_THREADS) -> int:
     """The warmup's choosing threads when none are set: one per :data:`CUDNN_THREAD_BYTES` of free device memory, at
-    least one, at most :data:`DEFAULT_CUDNN_THREADS`."""
-    return max(1, min(DEFAULT_CUDNN_THREADS, free_bytes // CUDNN_THREAD_BYTES))
+    least one, at most ``at_most`` (:func:`~hift_runtime.sessions.cudnn_threads_at_most`)."""
+    return max(1, min(at_most, free_bytes // CUDNN_THREAD_BYTES))
 
 
 def load_folded(manifest: Manifest, device: torch.device) -> tuple[Any, Any]:
@@ -290,7 +306,10 @@ class CompiledBackend:
     call per 24 frames (opt-in: a faster start, 92.5 s warm against 135-164 s on the H200, but its step costs 13-20 %
     more device time per row, so it carries fewer streams near the device's capacity; BENCHMARKS.md).
     ``cudnn_threads``: the threads that choose cuDNN's convolution algorithms at :meth:`warmup`, side by side, and
-    capture the shapes they chose for (:class:`_ChoosingThreads`; None: :func:`cudnn_threads_for_memory`).
+    capture the shapes they chose for (:class:`_ChoosingThreads`; None: :func:`cudnn_threads_for_memory`, at most
+    :func:`~hift_runtime.sessions.cudnn_threads_at_most`: one for cuDNN's benchmark in fp32 and tf32).
+    ``cudnn_algorithms``: how cuDNN chooses them, ``"benchmark"`` or ``"heuristics"`` (:data:`CUDNN_ALGORITHMS`;
+    None: the precision's measured best, :data:`DEFAULT_CUDNN_ALGORITHMS`).
     """
 
     caches_in_place = True
@@ -304,7 +323,8 @@ class CompiledBackend:
                  slots: int = 2048, conv_layout: str | None = None, compile_processes: int = 5,
                  cache_layout: str = "channels-first",
                  short_step_batch_sizes: tuple[int, ...] | None = None, final_window: bool | None = None,
-                 step_window: bool = False, cudnn_threads: int | None = None) -> None:
+                 step_window: bool = False, cudnn_threads: int | None = None,
+                 cudnn_algorithms: str | None = None) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         conv_layout = DEFAULT_CONV_LAYOUT[precision] if conv_layout is None else conv_layout
@@ -316,6 +336,10 @@ class CompiledBackend:
         if cudnn_threads is not None and cudnn_threads < 1:
             raise ValueError(f"cudnn_threads must be at least 1 (the threads that choose cuDNN's algorithms at "
                              f"warmup), got {cudnn_threads}")
+        cudnn_algorithms = DEFAULT_CUDNN_ALGORITHMS[precision] if cudnn_algorithms is None else cudnn_algorithms
+        if cudnn_algorithms not in CUDNN_ALGORITHMS:
+            raise ValueError(f"cudnn_algorithms must be one of {CUDNN_ALGORITHMS} (or None: the precision's best), "
+                             f"got {cudnn_algorithms!r}")
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ArtifactError("the compiled engine was asked for CUDA, but torch sees no CUDA device (a CPU build "
@@ -328,7 +352,10 @@ class CompiledBackend:
         self.cache_layout = cache_layout
         self.compile_processes = compile_processes
         self.cudnn_threads = cudnn_threads
+        self.cudnn_algorithms = cudnn_algorithms
         self.on_cuda = self.device.type == "cuda"
+        # (before the engine's first convolution: torch reads it once)
+        self.heuristic_mode_b = self.on_cuda and cudnn_algorithms == "heuristics" and use_heuristic_mode_b()
         self.compiled = self.on_cuda if compile is None else compile
         self.cuda_graphs = cuda_graphs and self.on_cuda
         # A call is a graph replay and its wait (0.2-2 ms): short enough for a quiet lone push's calls to be made in
@@ -492,9 +519,10 @@ class CompiledBackend:
         matmul = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = tf32
         try:
-            # benchmark: cuDNN times its algorithms per shape at warmup (before each capture). Its heuristics alone
-            # picked algorithms that made the fp32 step ~3x slower than measured and held ~90 GB of workspace.
-            with torch.backends.cudnn.flags(enabled=True, benchmark=self.on_cuda, allow_tf32=tf32), \
+            # benchmark: cuDNN times its algorithms per shape at warmup (before each capture); off, its heuristics
+            # choose (mode B: DEFAULT_CUDNN_ALGORITHMS says where each is measured best).
+            benchmark = self.on_cuda and self.cudnn_algorithms == "benchmark"
+            with torch.backends.cudnn.flags(enabled=True, benchmark=benchmark, allow_tf32=tf32), \
                     torch.inference_mode():
                 yield
         finally:
@@ -565,15 +593,16 @@ class CompiledBackend:
         shapes = self._capture_plan(step_sizes)
         count = self.cudnn_threads
         if count is None:
-            count = (cudnn_threads_for_memory(torch.cuda.mem_get_info(self.device)[0]) if self.device.type == "cuda"
-                     else 1)
+            at_most = cudnn_threads_at_most(self.precision, self.cudnn_algorithms)
+            count = (cudnn_threads_for_memory(torch.cuda.mem_get_info(self.device)[0], at_most)
+                     if self.device.type == "cuda" else 1)
         threads = _ChoosingThreads(self.device, shapes if self.cuda_graphs else [], count)
         # (closed, its threads joined, before the switches they run under are restored)
         with self._lock, self._precision(), contextlib.closing(threads):
             choosing = threads.choose(self._choose_for)
             if threads.groups:
-                say(f"warmup: choosing cuDNN's algorithms for {len(threads.owner)} step shapes in "
-                    f"{len(threads.groups)} threads; the step graphs are loaded (or compiled) meanwhile")
+                say(f"warmup: choosing cuDNN's algorithms ({self.cudnn_choice()}) for {len(threads.owner)} step "
+                    f"shapes in {len(threads.groups)} threads; the step graphs are loaded (or compiled) meanwhile")
 
             def first_call(kind: str, size: int) -> None:
                 if f"{kind}:{size}" in self.first_call_seconds:
@@ -622,6 +651,15 @@ class CompiledBackend:
             eager[kind](*self._zeros(kind, size, batch))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def cudnn_choice(self) -> str:
+        """How cuDNN chooses the convolutions' algorithms here, in words (the warmup says it)."""
+        if self.cudnn_algorithms == "benchmark":
+            return "its benchmark"
+        value = os.environ.get(HEURISTIC_MODE_B_ENV, "")
+        if heuristic_mode_b_asked(value):
+            return "its heuristic mode B"
+        return f"its instant heuristics: {HEURISTIC_MODE_B_ENV}={value!r}"
 
     def _await_choices(self, choosing: list[concurrent.futures.Future], threads: _ChoosingThreads, started: float,
                        say: Callable[[str], None]) -> None:

@@ -147,7 +147,12 @@ def _parser() -> argparse.ArgumentParser:
                         "on an H200 two kept 384-512 real-time streams where one kept 256)")
     p.add_argument("--cudnn-threads", type=int, default=None,
                    help="the compiled engine's warmup: threads that choose cuDNN's convolution algorithms (default: "
-                        "one per 8 GiB of free GPU memory, at most 8; with --processes N, each process 8 // N)")
+                        "one per 8 GiB of free GPU memory, at most 8, or 1 for cuDNN's benchmark in fp32 and tf32; "
+                        "with --processes N, each process that // N)")
+    p.add_argument("--cudnn-algorithms", choices=["benchmark", "heuristics"], default=None,
+                   help="how cuDNN chooses the compiled engine's convolution algorithms: timed at warmup (benchmark) "
+                        "or by its heuristic mode B (default: each precision's measured best, fp32 heuristics, tf32 "
+                        "and fp16 benchmark)")
     p.add_argument("--max-streams", type=int, default=None,
                    help="open streams at most; a start beyond it is refused with an overload message (default: what "
                         "the device holds: its cache slots on the GPU, a quarter of the free memory on the CPU)")
@@ -179,7 +184,7 @@ def busy_port(host: str, ports: dict[str, int]) -> str | None:
 def open_table(args: argparse.Namespace) -> tuple[StreamingVocoder, StreamTable]:
     from .sessions import CudaOptions, open_vocoder
 
-    cuda = None if args.cudnn_threads is None else CudaOptions(cudnn_threads=args.cudnn_threads)
+    cuda = CudaOptions(cudnn_threads=args.cudnn_threads, cudnn_algorithms=args.cudnn_algorithms)
     vocoder = open_vocoder(args.artifacts, device=args.device, cuda=cuda, noise_seed=args.noise_seed, phase=args.phase,
                            batching=True, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
                            max_streams=args.max_streams, idle_timeout_s=args.idle_timeout_s, engine=args.engine,

@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Any
 
-from .sessions import DEFAULT_CUDNN_THREADS
+from .sessions import cudnn_threads_at_most
 
 PORT_STRIDE = 10
 PORT_OPTIONS = ("--grpc-port", "--http-port", "--metrics-port", "--state-metrics-port")
@@ -41,7 +41,8 @@ def process_argv(args: argparse.Namespace, argv: list[str], i: int, processes: i
     if args.max_streams is not None:
         own += ["--max-streams", str(-(-args.max_streams // processes))]
     if args.cudnn_threads is None and processes > 1:  # the warmups run at once on the GPU: each its share of memory
-        own += ["--cudnn-threads", str(max(1, DEFAULT_CUDNN_THREADS // processes))]
+        own += ["--cudnn-threads", str(max(1, cudnn_threads_at_most(args.precision, args.cudnn_algorithms)
+                                           // processes))]
     if args.triton_log:
         own += ["--triton-log", f"{args.triton_log}.{i}"]
     return [*argv, *own]

@@ -94,6 +94,10 @@ class CudaOptions:
     # None: one per 8 GiB of free device memory, at most DEFAULT_CUDNN_THREADS
     # (hift_runtime.compiled.cudnn_threads_for_memory). ONNX Runtime chooses its own algorithms and ignores it.
     cudnn_threads: int | None = None
+    # How cuDNN chooses the compiled engine's convolution algorithms: "benchmark" (timed per shape at warmup) or
+    # "heuristics" (its heuristic mode B, nothing timed); None: the precision's measured best, fp32 on the
+    # heuristics and tf32/fp16 on the benchmark (hift_runtime.compiled.DEFAULT_CUDNN_ALGORITHMS). Ignored by ORT.
+    cudnn_algorithms: str | None = None
 
     def provider_options(self) -> dict[str, str]:
         return {"device_id": str(self.device_id), "use_tf32": "1" if self.use_tf32 else "0",
@@ -104,6 +108,26 @@ class CudaOptions:
 # against one, a warm start of 153 s against 198 s on one H200 host (BENCHMARKS.md, "cuDNN's choices in threads").
 # Several server processes on one GPU share it (hift-serve --processes N: each process DEFAULT_CUDNN_THREADS // N).
 DEFAULT_CUDNN_THREADS = 8
+# How cuDNN picks the compiled engine's convolution algorithms (CudaOptions.cudnn_algorithms): "benchmark" (it times
+# its candidates per shape at warmup) or "heuristics" (benchmark off; its heuristic mode B, nothing timed). Measured on
+# the H200 (BENCHMARKS.md, "cuDNN's heuristic mode B"): in fp32 the compiled 24-frame step at 256 streams ran 111.3 ms
+# on mode B's choices against 153.1 ms on the benchmark's made in eight threads (one machine; ~109 ms with the
+# benchmark in one thread before), its warmup reserving 74 GiB against 136.5; in fp16 mode B's graphs were 12-20 %
+# slower than the benchmark's (24.5 against 21.3 ms at 256 streams, two machines): fp16 keeps the benchmark, and tf32
+# too (mode B not measured there). cuDNN's default, instant heuristic is no choice: fp16's steps 3-5x slower at 64-256.
+CUDNN_ALGORITHMS = ("benchmark", "heuristics")
+DEFAULT_CUDNN_ALGORITHMS = {"fp32": "heuristics", "tf32": "benchmark", "fp16": "benchmark"}
+# Where cuDNN's benchmark was measured to choose as well in DEFAULT_CUDNN_THREADS threads as in one (fp16, replays
+# within 3 %). In fp32 eight threads chose slower algorithms (above), and tf32 was not measured: there the benchmark
+# chooses in one thread, as it did when tf32's capacity was measured.
+BENCHMARK_IN_THREADS = ("fp16",)
+
+
+def cudnn_threads_at_most(precision: str, cudnn_algorithms: str | None) -> int:
+    """The most threads the compiled engine's warmup chooses cuDNN's algorithms in, for ``precision`` and how cuDNN
+    chooses (None: the precision's default), where the threads are not set (:data:`BENCHMARK_IN_THREADS`)."""
+    algorithms = cudnn_algorithms or DEFAULT_CUDNN_ALGORITHMS.get(precision, "benchmark")
+    return DEFAULT_CUDNN_THREADS if algorithms == "heuristics" or precision in BENCHMARK_IN_THREADS else 1
 # Slots kept beside max_streams for offline passes (vocode()), which take a slot while they run.
 OFFLINE_SLOTS = 4
 # The most streams a default (stream_capacity on the CPU) admits, whatever the memory.
@@ -727,4 +751,5 @@ def _compiled_backend(manifest: Manifest, constants: StreamConstants, device: st
                            slots=cuda.slots, conv_layout=cuda.conv_layout, cache_layout=cuda.cache_layout,
                            compile_processes=cuda.compile_processes,
                            short_step_batch_sizes=cuda.short_step_batch_sizes, final_window=cuda.final_window,
-                           step_window=cuda.step_window, cudnn_threads=cuda.cudnn_threads)
+                           step_window=cuda.step_window, cudnn_threads=cuda.cudnn_threads,
+                           cudnn_algorithms=cuda.cudnn_algorithms)

@@ -600,6 +600,9 @@ def test_each_of_several_processes_gets_its_own_ports_stream_share_and_log():
         (1, 8020, 8021, 8022, 8023)
     assert child.max_streams == 34 and child.triton_log == "t.log.2" and child.artifacts == "a"
     assert child.cudnn_threads == 2  # their warmups run at once on the GPU: each 8 // 3 choosing threads
+    for options in (["--precision", "tf32"], ["--cudnn-algorithms", "benchmark"]):  # the benchmark in one thread
+        one = argv + options
+        assert _parser().parse_args(process_argv(_parser().parse_args(one), one, 2, 3)).cudnn_threads == 1, options
     given = argv + ["--cudnn-threads", "5"]
     assert _parser().parse_args(process_argv(_parser().parse_args(given), given, 2, 3)).cudnn_threads == 5
     alone = ["--artifacts", "a"]
