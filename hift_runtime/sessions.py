@@ -111,8 +111,8 @@ DEFAULT_CUDNN_THREADS = 8
 # How cuDNN picks the compiled engine's convolution algorithms (CudaOptions.cudnn_algorithms): "benchmark" (it times
 # its candidates per shape at warmup) or "heuristics" (benchmark off; its heuristic mode B, nothing timed). Measured on
 # the H200 (BENCHMARKS.md, "cuDNN's heuristic mode B"): in fp32 the compiled 24-frame step at 256 streams ran 111.3 ms
-# on mode B's choices against 153.1 ms on the benchmark's made in eight threads (one machine; ~109 ms with the
-# benchmark in one thread before), its warmup reserving 74 GiB against 136.5; in fp16 mode B's graphs were 12-20 %
+# on mode B's choices against 153.1 ms on the benchmark's made in eight threads (one machine; 111.3 ms with the
+# benchmark in one thread before them), its warmup reserving 74 GiB against 136.5; in fp16 mode B's graphs were 12-20 %
 # slower than the benchmark's (24.5 against 21.3 ms at 256 streams, two machines): fp16 keeps the benchmark, and tf32
 # too (mode B not measured there). cuDNN's default, instant heuristic is no choice: fp16's steps 3-5x slower at 64-256.
 CUDNN_ALGORITHMS = ("benchmark", "heuristics")
