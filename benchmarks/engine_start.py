@@ -60,13 +60,15 @@ def stream_vs_offline_db(vocoder, frames: int = 300, chunk: int = 24) -> tuple[f
 
 
 def main() -> None:
+    from hift_runtime.sessions import CUDNN_ALGORITHMS
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--artifacts", required=True)
     p.add_argument("--precision", default="fp16", choices=["fp32", "tf32", "fp16"])
     p.add_argument("--slots", type=int, default=2048, help="the engine's device cache slots (CudaOptions.slots)")
     p.add_argument("--cudnn-threads", type=int, default=None,
                    help="CudaOptions.cudnn_threads (default: the engine's, by free device memory)")
-    p.add_argument("--cudnn-algorithms", choices=["benchmark", "heuristics"], default=None,
+    p.add_argument("--cudnn-algorithms", choices=CUDNN_ALGORITHMS, default=None,
                    help="CudaOptions.cudnn_algorithms (default: the precision's)")
     p.add_argument("--out", help="a JSON of the results")
     args = p.parse_args()

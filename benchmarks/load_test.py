@@ -421,6 +421,7 @@ def p95_by_k(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 def main() -> None:
     from hift_runtime.argparsing import gpu_ids
+    from hift_runtime.sessions import CUDNN_ALGORITHMS
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--artifacts", required=False, help="the export to load (required unless --plot-only)")
@@ -473,7 +474,7 @@ def main() -> None:
     p.add_argument("--step-window", action="store_true",
                    help="the compiled engine's stream step as one graph over its window (CudaOptions.step_window: "
                         "a faster start, more device time per row)")
-    p.add_argument("--cudnn-algorithms", choices=["benchmark", "heuristics"], default=None,
+    p.add_argument("--cudnn-algorithms", choices=CUDNN_ALGORITHMS, default=None,
                    help="how cuDNN chooses the compiled engine's convolution algorithms (CudaOptions.cudnn_algorithms; "
                         "default: the precision's)")
     p.add_argument("--inline-lone-calls", choices=["on", "off"], default=None,

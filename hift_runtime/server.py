@@ -33,7 +33,7 @@ from .manifest import ArtifactError
 from .noise import NoiseTableError
 from .process_tuning import keep_freed_memory, tune_garbage_collector
 from .serving import MAX_CHUNK_FRAMES, ChunkReply, ChunkRequest, StreamTable
-from .sessions import nvidia_driver_present
+from .sessions import CUDNN_ALGORITHMS, nvidia_driver_present
 from .streaming import StreamingVocoder
 
 
@@ -149,7 +149,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="the compiled engine's warmup: threads that choose cuDNN's convolution algorithms (default: "
                         "one per 8 GiB of free GPU memory, at most 8, or 1 for cuDNN's benchmark in fp32 and tf32; "
                         "with --processes N, each process that // N)")
-    p.add_argument("--cudnn-algorithms", choices=["benchmark", "heuristics"], default=None,
+    p.add_argument("--cudnn-algorithms", choices=CUDNN_ALGORITHMS, default=None,
                    help="how cuDNN chooses the compiled engine's convolution algorithms: timed at warmup (benchmark) "
                         "or by its heuristic mode B (default: each precision's measured best, fp32 heuristics, tf32 "
                         "and fp16 benchmark)")

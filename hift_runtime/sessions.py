@@ -91,12 +91,13 @@ class CudaOptions:
     step_window: bool = False
     # The compiled engine's warmup: threads that choose cuDNN's convolution algorithms side by side (torch keeps the
     # choices per thread, so each also captures the shapes it chose for), while the warmup's thread loads the graphs.
-    # None: one per 8 GiB of free device memory, at most DEFAULT_CUDNN_THREADS
-    # (hift_runtime.compiled.cudnn_threads_for_memory). ONNX Runtime chooses its own algorithms and ignores it.
+    # None: one per 8 GiB of free device memory, at most DEFAULT_CUDNN_THREADS, or one for cuDNN's benchmark in fp32
+    # and tf32 (hift_runtime.compiled.cudnn_threads_for_memory, cudnn_threads_at_most). ONNX Runtime chooses its own
+    # algorithms and ignores it.
     cudnn_threads: int | None = None
     # How cuDNN chooses the compiled engine's convolution algorithms: "benchmark" (timed per shape at warmup) or
     # "heuristics" (its heuristic mode B, nothing timed); None: the precision's measured best, fp32 on the
-    # heuristics and tf32/fp16 on the benchmark (hift_runtime.compiled.DEFAULT_CUDNN_ALGORITHMS). Ignored by ORT.
+    # heuristics and tf32/fp16 on the benchmark (DEFAULT_CUDNN_ALGORITHMS, below). Ignored by ORT.
     cudnn_algorithms: str | None = None
 
     def provider_options(self) -> dict[str, str]:
@@ -128,6 +129,8 @@ def cudnn_threads_at_most(precision: str, cudnn_algorithms: str | None) -> int:
     chooses (None: the precision's default), where the threads are not set (:data:`BENCHMARK_IN_THREADS`)."""
     algorithms = cudnn_algorithms or DEFAULT_CUDNN_ALGORITHMS.get(precision, "benchmark")
     return DEFAULT_CUDNN_THREADS if algorithms == "heuristics" or precision in BENCHMARK_IN_THREADS else 1
+
+
 # Slots kept beside max_streams for offline passes (vocode()), which take a slot while they run.
 OFFLINE_SLOTS = 4
 # The most streams a default (stream_capacity on the CPU) admits, whatever the memory.
