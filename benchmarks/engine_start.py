@@ -69,7 +69,7 @@ def main() -> None:
     p.add_argument("--cudnn-threads", type=int, default=None,
                    help="CudaOptions.cudnn_threads (default: the engine's, by free device memory)")
     p.add_argument("--cudnn-algorithms", choices=CUDNN_ALGORITHMS, default=None,
-                   help="CudaOptions.cudnn_algorithms (default: the precision's)")
+                   help="CudaOptions.cudnn_algorithms (default: the benchmark)")
     p.add_argument("--out", help="a JSON of the results")
     args = p.parse_args()
     started = time.perf_counter()

@@ -476,7 +476,7 @@ def main() -> None:
                         "a faster start, more device time per row)")
     p.add_argument("--cudnn-algorithms", choices=CUDNN_ALGORITHMS, default=None,
                    help="how cuDNN chooses the compiled engine's convolution algorithms (CudaOptions.cudnn_algorithms; "
-                        "default: the precision's)")
+                        "default: the benchmark)")
     p.add_argument("--inline-lone-calls", choices=["on", "off"], default=None,
                    help="the scheduler's inline_lone_calls (in process: a quiet lone push's calls in the scheduling "
                         "thread; default: the engine's, on for the compiled engine's CUDA graphs)")

@@ -308,8 +308,8 @@ class CompiledBackend:
     ``cudnn_threads``: the threads that choose cuDNN's convolution algorithms at :meth:`warmup`, side by side, and
     capture the shapes they chose for (:class:`_ChoosingThreads`; None: :func:`cudnn_threads_for_memory`, at most
     :func:`~hift_runtime.sessions.cudnn_threads_at_most`: one for cuDNN's benchmark in fp32 and tf32).
-    ``cudnn_algorithms``: how cuDNN chooses them, ``"benchmark"`` or ``"heuristics"`` (:data:`CUDNN_ALGORITHMS`;
-    None: the precision's measured best, :data:`DEFAULT_CUDNN_ALGORITHMS`).
+    ``cudnn_algorithms``: how cuDNN chooses them, ``"benchmark"`` or ``"heuristics"`` (its heuristic mode B;
+    :data:`CUDNN_ALGORITHMS`; None: the precision's default, :data:`DEFAULT_CUDNN_ALGORITHMS`).
     """
 
     caches_in_place = True
@@ -329,7 +329,7 @@ class CompiledBackend:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         conv_layout = DEFAULT_CONV_LAYOUT[precision] if conv_layout is None else conv_layout
         if conv_layout not in CONV_LAYOUTS:
-            raise ValueError(f"conv_layout must be one of {CONV_LAYOUTS} (or None: the precision's best), "
+            raise ValueError(f"conv_layout must be one of {CONV_LAYOUTS} (or None: the precision's default), "
                              f"got {conv_layout!r}")
         if cache_layout not in CONV_LAYOUTS:
             raise ValueError(f"cache_layout must be one of {CONV_LAYOUTS}, got {cache_layout!r}")
@@ -520,7 +520,7 @@ class CompiledBackend:
         torch.backends.cuda.matmul.allow_tf32 = tf32
         try:
             # benchmark: cuDNN times its algorithms per shape at warmup (before each capture); off, its heuristics
-            # choose (mode B: DEFAULT_CUDNN_ALGORITHMS says where each is measured best).
+            # choose (mode B; DEFAULT_CUDNN_ALGORITHMS says what was measured).
             benchmark = self.on_cuda and self.cudnn_algorithms == "benchmark"
             with torch.backends.cudnn.flags(enabled=True, benchmark=benchmark, allow_tf32=tf32), \
                     torch.inference_mode():

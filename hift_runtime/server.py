@@ -150,9 +150,9 @@ def _parser() -> argparse.ArgumentParser:
                         "one per 8 GiB of free GPU memory, at most 8, or 1 for cuDNN's benchmark in fp32 and tf32; "
                         "with --processes N, each process that // N)")
     p.add_argument("--cudnn-algorithms", choices=CUDNN_ALGORITHMS, default=None,
-                   help="how cuDNN chooses the compiled engine's convolution algorithms: timed at warmup (benchmark) "
-                        "or by its heuristic mode B (default: each precision's measured best, fp32 heuristics, tf32 "
-                        "and fp16 benchmark)")
+                   help="how cuDNN chooses the compiled engine's convolution algorithms: timed at warmup (benchmark, "
+                        "the default) or by its heuristic mode B (heuristics: in fp32 as fast and a shorter start, its "
+                        "parity not yet measured on a GPU)")
     p.add_argument("--max-streams", type=int, default=None,
                    help="open streams at most; a start beyond it is refused with an overload message (default: what "
                         "the device holds: its cache slots on the GPU, a quarter of the free memory on the CPU)")

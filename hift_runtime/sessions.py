@@ -96,8 +96,9 @@ class CudaOptions:
     # algorithms and ignores it.
     cudnn_threads: int | None = None
     # How cuDNN chooses the compiled engine's convolution algorithms: "benchmark" (timed per shape at warmup) or
-    # "heuristics" (its heuristic mode B, nothing timed); None: the precision's measured best, fp32 on the
-    # heuristics and tf32/fp16 on the benchmark (DEFAULT_CUDNN_ALGORITHMS, below). Ignored by ORT.
+    # "heuristics" (its heuristic mode B, nothing timed: in fp32 as fast and a shorter start, its parity not yet
+    # measured); None: the precision's default, the benchmark in each (DEFAULT_CUDNN_ALGORITHMS, below). Ignored by
+    # ORT.
     cudnn_algorithms: str | None = None
 
     def provider_options(self) -> dict[str, str]:
@@ -113,11 +114,12 @@ DEFAULT_CUDNN_THREADS = 8
 # its candidates per shape at warmup) or "heuristics" (benchmark off; its heuristic mode B, nothing timed). Measured on
 # the H200 (BENCHMARKS.md, "cuDNN's heuristic mode B"): in fp32 the compiled 24-frame step at 256 streams ran 111.3 ms
 # on mode B's choices against 153.1 ms on the benchmark's made in eight threads (one machine; 111.3 ms with the
-# benchmark in one thread before them), its warmup reserving 74 GiB against 136.5; in fp16 mode B's graphs were 12-20 %
-# slower than the benchmark's (24.5 against 21.3 ms at 256 streams, two machines): fp16 keeps the benchmark, and tf32
-# too (mode B not measured there). cuDNN's default, instant heuristic is no choice: fp16's steps 3-5x slower at 64-256.
+# benchmark in one thread before them, which fp32 now uses: BENCHMARK_IN_THREADS), and mode B's first start took
+# 134 s of warmup; but its streams' parity was not measured, and fp32's default is its parity, so mode B is opt-in. In
+# fp16 mode B's graphs were 12-20 % slower than the benchmark's (24.5 against 21.3 ms at 256 streams, two machines);
+# tf32 not measured on it. cuDNN's default, instant heuristic is no choice: fp16's steps 3-5x slower at 64-256.
 CUDNN_ALGORITHMS = ("benchmark", "heuristics")
-DEFAULT_CUDNN_ALGORITHMS = {"fp32": "heuristics", "tf32": "benchmark", "fp16": "benchmark"}
+DEFAULT_CUDNN_ALGORITHMS = {"fp32": "benchmark", "tf32": "benchmark", "fp16": "benchmark"}
 # Where cuDNN's benchmark was measured to choose as well in DEFAULT_CUDNN_THREADS threads as in one (fp16, replays
 # within 3 %). In fp32 eight threads chose slower algorithms (above), and tf32 was not measured: there the benchmark
 # chooses in one thread, as it did when tf32's capacity was measured.

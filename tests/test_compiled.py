@@ -507,35 +507,35 @@ def test_the_choosing_threads_default_to_what_the_device_memory_holds(small_arti
     assert open_vocoder(small_artifacts.out, device="cpu", engine="ort", cuda=CudaOptions(cudnn_threads=2)).backend
 
 
-def test_cudnn_chooses_by_the_precision_s_measured_best(compiled_cpu, monkeypatch):
-    """fp32 on cuDNN's heuristic mode B (its benchmark in threads chose slower algorithms there), fp16 and tf32 on its
-    benchmark; the choice is an option, named in the warmup's words, and it sets cuDNN's benchmark switch."""
+def test_cudnn_chooses_by_its_benchmark_or_on_request_by_its_heuristic_mode_b(compiled_cpu, monkeypatch):
+    """cuDNN's benchmark by default (in one thread for fp32 and tf32, where eight chose slower fp32 algorithms); its
+    heuristic mode B on request, the variable torch reads set unless the environment says otherwise; the choice named
+    in the warmup's words, and it sets cuDNN's benchmark switch."""
     import torch
 
     import hift_runtime.compiled as compiled
     from hift_runtime.sessions import cudnn_threads_at_most
 
-    assert compiled.DEFAULT_CUDNN_ALGORITHMS == {"fp32": "heuristics", "tf32": "benchmark", "fp16": "benchmark"}
+    assert set(compiled.DEFAULT_CUDNN_ALGORITHMS.values()) == {"benchmark"}
     # the most choosing threads: eight, but one for the benchmark where eight were not measured to choose as well
     assert [cudnn_threads_at_most(p, a) for p, a in (("fp32", None), ("fp16", None), ("tf32", None),
-                                                      ("fp32", "benchmark"), ("tf32", "heuristics"))] == [8, 8, 1, 1, 8]
+                                                      ("fp32", "heuristics"), ("tf32", "heuristics"))] == [1, 8, 1, 8, 8]
     assert compiled.cudnn_threads_for_memory(135 << 30, at_most=1) == 1
     manifest, constants = compiled_cpu.backend.manifest, compiled_cpu.constants
     with pytest.raises(ValueError, match="cudnn_algorithms must be one of"):
         compiled.CompiledBackend(manifest, constants, device="cpu", cudnn_algorithms="fastest")
+    default = compiled.CompiledBackend(manifest, constants, device="cpu", compile=False)
+    assert default.cudnn_algorithms == "benchmark" and default.cudnn_choice() == "its benchmark"
     monkeypatch.setenv(compiled.HEURISTIC_MODE_B_ENV, "")  # (recorded, so what the test sets is undone after it)
     monkeypatch.delenv(compiled.HEURISTIC_MODE_B_ENV)
-    cpu = compiled.CompiledBackend(manifest, constants, device="cpu", compile=False)
-    assert cpu.cudnn_algorithms == "heuristics" and not cpu.heuristic_mode_b  # (no cuDNN on the CPU: nothing set)
-    assert compiled.HEURISTIC_MODE_B_ENV not in os.environ
+    asked = compiled.CompiledBackend(manifest, constants, device="cpu", compile=False, cudnn_algorithms="heuristics")
+    assert not asked.heuristic_mode_b and compiled.HEURISTIC_MODE_B_ENV not in os.environ  # (no cuDNN on the CPU)
     assert compiled.use_heuristic_mode_b() and os.environ[compiled.HEURISTIC_MODE_B_ENV] == "1"
-    assert cpu.cudnn_choice() == "its heuristic mode B"
+    assert asked.cudnn_choice() == "its heuristic mode B"
     monkeypatch.setenv(compiled.HEURISTIC_MODE_B_ENV, "0")  # the environment's word is kept, and said
     assert not compiled.use_heuristic_mode_b()
-    assert cpu.cudnn_choice() == f"its instant heuristics: {compiled.HEURISTIC_MODE_B_ENV}='0'"
-    chosen = compiled.CompiledBackend(manifest, constants, device="cpu", compile=False, cudnn_algorithms="benchmark")
-    assert chosen.cudnn_choice() == "its benchmark"
-    for backend, benchmark in ((cpu, False), (chosen, True)):
+    assert asked.cudnn_choice() == f"its instant heuristics: {compiled.HEURISTIC_MODE_B_ENV}='0'"
+    for backend, benchmark in ((asked, False), (default, True)):
         backend.on_cuda = True  # (the switch is set on CUDA only)
         with backend._precision():
             assert torch.backends.cudnn.benchmark is benchmark
@@ -561,7 +561,6 @@ def test_warmup_loads_graphs_while_threads_choose_and_captures_in_the_choosers(s
                                        device="cpu", compile=False, slots=4, cudnn_threads=2)
     backend.use_noise_table(NoiseTable.seeded(0, 4096, backend.constants.num_sines))
     backend.on_cuda = backend.cuda_graphs = True  # the warmup's CUDA path, its device calls stood in for below
-    monkeypatch.setenv(compiled.HEURISTIC_MODE_B_ENV, "1")  # (fp32's choice, set at open on CUDA)
     events: list[tuple[str, str, tuple]] = []
     real_choose = backend._choose_for
 
@@ -600,7 +599,7 @@ def test_warmup_loads_graphs_while_threads_choose_and_captures_in_the_choosers(s
                    "them" in m for m in said), said
     else:
         assert any("chosen for 3 step shapes in 2 threads" in m for m in said), said
-    assert said[0] == ("warmup: choosing cuDNN's algorithms (its heuristic mode B) for 3 step shapes in 2 threads; "
+    assert said[0] == ("warmup: choosing cuDNN's algorithms (its benchmark) for 3 step shapes in 2 threads; "
                        "the step graphs are loaded (or compiled) meanwhile")
     assert "first calls" in said[-1] and backend.first_call_seconds.keys() == {"generator:24", "generator:8",
                                                                                f"final:{backend.final_frames}"}
