@@ -20,9 +20,9 @@ captured) and replays the 24-frame step's and the final step's graphs:
   whether its first choice runs as fast as the benchmark's, with nothing timed at a start.
 
 Any arm may end in ``@N``: the warmup's threads that choose cuDNN's algorithms (``CudaOptions.cudnn_threads``;
-default the engine's: one per 8 GiB of free device memory, at most 8). Since 2026-12-03 every warmup runs the eager
-step at each generator and final shape in those threads first and captures each shape in the thread that chose for
-it (``hift_runtime.compiled._ChoosingThreads``); the ``eager+compiled`` arm that measured the idea on one thread
+default the engine's: one per 8 GiB of free device memory, at most 8, or one for the benchmark in fp32 and tf32).
+Since 2026-12-03 every warmup runs the eager step at each generator and final shape in those threads first and
+captures each shape in the thread that chose for it (``hift_runtime.compiled._ChoosingThreads``); the ``eager+compiled`` arm that measured the idea on one thread
 (``cudnn-compiled-arms-fp16-h200.json``) is in the history (commit bcaedf3).
 
     python benchmarks/cudnn_benchmark_limit.py --artifacts DIR --precision fp16 --arms 10,heuristic,v7 [--slots 3100] \\
