@@ -577,10 +577,10 @@ class CompiledBackend:
         """Compile and capture (CUDA) every shape of :meth:`_capture_plan`. A no-op on the CPU without compile.
 
         Three things at once, then the captures: :attr:`cudnn_threads` threads run the eager step at every generator
-        and final shape, so that cuDNN's benchmark chooses each convolution's algorithm (:class:`_ChoosingThreads`);
-        a first start's workers compile the step graphs side by side (:mod:`~hift_runtime.compile_workers`); and this
-        thread makes each graph's first call (dynamo's load of the compile from inductor's cache, or the compile
-        itself), a worker's graph as soon as it is done. Then each shape is captured, a generator or final shape in
+        and final shape, so that cuDNN chooses each convolution's algorithm (by its benchmark or its heuristic mode B:
+        :attr:`cudnn_algorithms`; :class:`_ChoosingThreads`); a first start's workers compile the step graphs side
+        by side (:mod:`~hift_runtime.compile_workers`); and this thread makes each graph's first call (dynamo's load
+        of the compile from inductor's cache, or the compile itself), a worker's graph as soon as it is done. Then each shape is captured, a generator or final shape in
         the thread that chose its algorithms (the compiled graphs' convolutions are the same cuDNN calls, so they
         find the choices made), one at a time."""
         if not self.on_cuda or not step_sizes:
@@ -642,8 +642,8 @@ class CompiledBackend:
         say(warmup_summary(self.warmup_seconds, self.first_call_seconds))
 
     def _choose_for(self, shapes: list[tuple[str, int, int]]) -> None:
-        """The eager step once at each of ``shapes`` (generator and final steps), so that cuDNN's benchmark chooses
-        each convolution's algorithm in this thread (one of :class:`_ChoosingThreads`). Measured on the H200 (fp16,
+        """The eager step once at each of ``shapes`` (generator and final steps), so that cuDNN chooses each
+        convolution's algorithm in this thread (one of :class:`_ChoosingThreads`). Measured on the H200 (fp16,
         one thread): the captures after such a pass 57.3 s against 160.5 s without it, the graphs as fast
         (``benchmarks/cudnn_benchmark_limit.py``)."""
         eager = {"generator": self._step, "final": self._final}
