@@ -22,8 +22,10 @@ captured) and replays the 24-frame step's and the final step's graphs:
 Any arm may end in ``@N``: the warmup's threads that choose cuDNN's algorithms (``CudaOptions.cudnn_threads``;
 default the engine's: one per 8 GiB of free device memory, at most 8, or one for the benchmark in fp32 and tf32).
 Since 2026-12-03 every warmup runs the eager step at each generator and final shape in those threads first and
-captures each shape in the thread that chose for it (``hift_runtime.compiled._ChoosingThreads``); the ``eager+compiled`` arm that measured the idea on one thread
-(``cudnn-compiled-arms-fp16-h200.json``) is in the history (commit bcaedf3).
+captures each shape in the thread that chose for it (``hift_runtime.compiled._ChoosingThreads``); the
+``eager+compiled`` arm that measured the idea on one thread (``cudnn-compiled-arms-fp16-h200.json``) is in the
+history (commit bcaedf3). The heuristic arms run the engine's ``cudnn_algorithms="heuristics"``, with
+``TORCH_CUDNN_USE_HEURISTIC_MODE_B`` set to 0 (instant) or 1 (mode B) for their process.
 
     python benchmarks/cudnn_benchmark_limit.py --artifacts DIR --precision fp16 --arms 10,heuristic,v7 [--slots 3100] \\
         [--out R.json]
@@ -33,7 +35,6 @@ captures each shape in the thread that chose for it (``hift_runtime.compiled._Ch
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as dt
 import json
 import os
@@ -59,17 +60,7 @@ def one_arm(artifacts: str, precision: str, slots: int, arm: str) -> dict:
     arm, _, threads = arm.partition("@")
     cudnn_threads = int(threads) if threads else None  # (None: the engine's default)
     compiled = arm.startswith("compiled")
-    heuristic = "heuristic" in arm
-    if heuristic:
-        engine_precision = CompiledBackend._precision
-
-        @contextlib.contextmanager
-        def heuristic_precision(self):  # the engine's switches, then benchmark off (restored on exit, as theirs)
-            with engine_precision(self):
-                torch.backends.cudnn.benchmark = False
-                yield
-
-        CompiledBackend._precision = heuristic_precision
+    heuristic = "heuristic" in arm  # (instant or mode B: the variable main() set for this process says which)
     if arm.isdigit():
         torch.backends.cudnn.benchmark_limit = int(arm)
     manifest = read_manifest(artifacts)
@@ -82,7 +73,8 @@ def one_arm(artifacts: str, precision: str, slots: int, arm: str) -> dict:
                     "cudnn_heuristic_mode_b_env": os.environ.get("TORCH_CUDNN_USE_HEURISTIC_MODE_B"),
                     "cudnn_version": torch.backends.cudnn.version()}
     backend = CompiledBackend(manifest, constants, device="cuda", precision=precision, compile=compiled, slots=slots,
-                              final_window=True, cudnn_threads=cudnn_threads)
+                              final_window=True, cudnn_threads=cudnn_threads,
+                              cudnn_algorithms="heuristics" if heuristic else "benchmark")
     backend.use_noise_table(noise)
     said: list[str] = []
     started = time.perf_counter()
@@ -120,8 +112,8 @@ def main() -> None:
     for arm in arms:
         name, at, threads = arm.partition("@")
         env = dict(os.environ, TORCH_CUDNN_V8_API_DISABLED="1") if name == "v7" else None
-        if name.endswith("heuristic-b"):  # (read once, at a process's first convolution)
-            env = dict(os.environ, TORCH_CUDNN_USE_HEURISTIC_MODE_B="1")
+        if "heuristic" in name:  # mode B or the instant one (torch reads it once, at the first such convolution)
+            env = dict(os.environ, TORCH_CUDNN_USE_HEURISTIC_MODE_B="1" if name.endswith("-b") else "0")
         child = ("10" if name == "v7" else name) + at + threads
         done = subprocess.run([sys.executable, __file__, "--artifacts", args.artifacts, "--precision", args.precision,
                                "--slots", str(args.slots), "--child", child],
