@@ -580,9 +580,9 @@ class CompiledBackend:
         and final shape, so that cuDNN chooses each convolution's algorithm (by its benchmark or its heuristic mode B:
         :attr:`cudnn_algorithms`; :class:`_ChoosingThreads`); a first start's workers compile the step graphs side
         by side (:mod:`~hift_runtime.compile_workers`); and this thread makes each graph's first call (dynamo's load
-        of the compile from inductor's cache, or the compile itself), a worker's graph as soon as it is done. Then each shape is captured, a generator or final shape in
-        the thread that chose its algorithms (the compiled graphs' convolutions are the same cuDNN calls, so they
-        find the choices made), one at a time."""
+        of the compile from inductor's cache, or the compile itself), a worker's graph as soon as it is done. Then
+        each shape is captured, a generator or final shape in the thread that chose its algorithms (the compiled
+        graphs' convolutions are the same cuDNN calls, so they find the choices made), one at a time."""
         if not self.on_cuda or not step_sizes:
             return
         from .compile_workers import compile_units, precompile

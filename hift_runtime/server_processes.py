@@ -8,8 +8,9 @@ shard streams by id over the processes' gRPC addresses (``ShardedClient``, or a 
 ``hift-stream-id`` header), as they do over several hosts.
 
 Process ``i`` listens on every port given plus ``i * PORT_STRIDE`` (defaults: 8000-8003, 8010-8013, ...), opens at
-most ``ceil(max_streams / N)`` streams, chooses cuDNN's algorithms at warmup in ``8 // N`` threads (their
-warmups run at once on the GPU), and writes Triton's log to ``--triton-log`` with ``.i`` appended.
+most ``ceil(max_streams / N)`` streams, chooses cuDNN's algorithms at warmup in its share of the threads
+(``cudnn_threads_at_most // N``: their warmups run at once on the GPU), and writes Triton's log to
+``--triton-log`` with ``.i`` appended.
 """
 
 from __future__ import annotations

@@ -108,7 +108,7 @@ class CudaOptions:
 
 # The most threads the compiled engine's warmup chooses cuDNN's algorithms in (CudaOptions.cudnn_threads): eight
 # against one, a warm start of 153 s against 198 s on one H200 host (BENCHMARKS.md, "cuDNN's choices in threads").
-# Several server processes on one GPU share it (hift-serve --processes N: each process DEFAULT_CUDNN_THREADS // N).
+# Several server processes on one GPU share it (hift-serve --processes N: each process cudnn_threads_at_most // N).
 DEFAULT_CUDNN_THREADS = 8
 # How cuDNN picks the compiled engine's convolution algorithms (CudaOptions.cudnn_algorithms): "benchmark" (it times
 # its candidates per shape at warmup) or "heuristics" (benchmark off; its heuristic mode B, nothing timed). Measured on

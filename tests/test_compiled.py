@@ -518,8 +518,8 @@ def test_cudnn_chooses_by_its_benchmark_or_on_request_by_its_heuristic_mode_b(co
 
     assert set(compiled.DEFAULT_CUDNN_ALGORITHMS.values()) == {"benchmark"}
     # the most choosing threads: eight, but one for the benchmark where eight were not measured to choose as well
-    assert [cudnn_threads_at_most(p, a) for p, a in (("fp32", None), ("fp16", None), ("tf32", None),
-                                                      ("fp32", "heuristics"), ("tf32", "heuristics"))] == [1, 8, 1, 8, 8]
+    cases = (("fp32", None), ("fp16", None), ("tf32", None), ("fp32", "heuristics"), ("tf32", "heuristics"))
+    assert [cudnn_threads_at_most(p, a) for p, a in cases] == [1, 8, 1, 8, 8]
     assert compiled.cudnn_threads_for_memory(135 << 30, at_most=1) == 1
     manifest, constants = compiled_cpu.backend.manifest, compiled_cpu.constants
     with pytest.raises(ValueError, match="cudnn_algorithms must be one of"):
