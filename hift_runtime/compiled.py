@@ -650,7 +650,7 @@ class CompiledBackend:
         for kind, size, batch in shapes:
             eager[kind](*self._zeros(kind, size, batch))
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            torch.cuda.current_stream(self.device).synchronize()  # this thread's stream (see compile_shape)
 
     def cudnn_choice(self) -> str:
         """How cuDNN chooses the convolutions' algorithms here, in words (the warmup says it)."""
@@ -708,7 +708,12 @@ class CompiledBackend:
         with self._precision():
             self._compiled[kind](*self._example(kind, size, self.batch_sizes[0]))
             if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+                # The stream, not the device: the choosing threads run meanwhile, and under cuDNN's heuristic mode B
+                # something in their convolutions captures a CUDA graph, during which a device-wide synchronize in
+                # any thread fails ("operation not permitted when stream is capturing"). Measured on the H200
+                # (BENCHMARKS.md, "A race under mode B"): 45 of ~5 650 device-wide synchronizes failed beside mode
+                # B's choosing, none of ~11 300 on a stream, none beside the benchmark's.
+                torch.cuda.current_stream(self.device).synchronize()
         return time.perf_counter() - started
 
     def _example(self, kind: str, size: int, batch: int) -> list[torch.Tensor]:
