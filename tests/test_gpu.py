@@ -402,10 +402,10 @@ def _mode_b_streams_against_the_cpu(artifacts: str) -> list[tuple[float, float]]
 def test_compiled_fp32_on_cudnn_s_heuristic_mode_b_matches_the_cpu_ep(small_artifacts):
     """fp32 with cuDNN's algorithms chosen by its heuristic mode B (CudaOptions(cudnn_algorithms="heuristics"), the
     opt-in that ran the full-size step as fast as one thread's benchmark on the H200): its streams within fp32's bar
-    of the CPU EP's, as the benchmark's are. In a fresh process: torch reads the mode once per process, at its first
-    heuristic convolution, and on the H200 (2026-12-03) this engine's warmup, started after this module's other
-    engines in one process, failed ("operation not permitted when stream is capturing" at a device-wide
-    synchronize), where alone it passed."""
+    of the CPU EP's, as the benchmark's are. In a process of its own, as a server's engine runs: torch reads the mode
+    once per process, at its first heuristic convolution. (On the H200, 2026-12-03, this warmup failed twice after
+    the module's other engines and passed alone: a race, since mended, between mode B's choosing threads and a
+    device-wide synchronize; BENCHMARKS.md, "A race under mode B".)"""
     import multiprocessing
 
     with multiprocessing.get_context("spawn").Pool(1) as pool:
