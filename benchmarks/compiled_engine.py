@@ -1,6 +1,7 @@
 """The compiled engine at one precision: start-up, distance from the CPU EP, batched step time, recompiles. Not a test.
 
-    python benchmarks/compiled_engine.py --artifacts DIR --precision fp32 --out benchmarks/results/NAME.json
+    python benchmarks/compiled_engine.py --artifacts DIR --precision fp32 --out benchmarks/results/NAME.json \
+        [--cudnn-algorithms heuristics]
 
 * ``open_s`` / ``warmup_s``: open (weights, noise table, pool) and warmup (compile + capture every shape); run it
   twice in fresh processes to see inductor's on-disk cache (cold, then warm).
@@ -48,6 +49,8 @@ def distances(got: np.ndarray, want: np.ndarray) -> dict[str, float]:
 
 
 def main() -> None:
+    from hift_runtime.sessions import CUDNN_ALGORITHMS
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--artifacts", required=True)
     p.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "fp16"])
@@ -57,6 +60,8 @@ def main() -> None:
     p.add_argument("--max-batch", type=int, default=256, help="largest batch captured (default 256)")
     p.add_argument("--group", help="a folder shared by runs side by side: timings wait for all, then one at a time")
     p.add_argument("--parties", type=int, default=1, help="how many runs share --group")
+    p.add_argument("--cudnn-algorithms", choices=CUDNN_ALGORITHMS, default=None,
+                   help="how cuDNN chooses (CudaOptions.cudnn_algorithms; default: the precision's)")
     args = p.parse_args()
     import os
 
@@ -64,17 +69,18 @@ def main() -> None:
 
     if args.parties > 1:  # side-by-side runs: CPU threads shared out (oversubscribed OpenMP slowed the CPU reference
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.parties))  # past 2 minutes on the H200 host)
-    from hift_runtime import open_vocoder
+    from hift_runtime import CudaOptions, open_vocoder
     from hift_runtime.compiled import compile_count
 
     result: dict[str, Any] = {"when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                               "command": "python benchmarks/compiled_engine.py " + " ".join(
                                   f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
                               "torch": torch.__version__, "device": torch.cuda.get_device_name(0),
-                              "precision": args.precision}
+                              "precision": args.precision, "cudnn_algorithms": args.cudnn_algorithms}
     t0 = time.perf_counter()
     vocoder = open_vocoder(args.artifacts, device="cuda", engine="compiled", precision=args.precision,
-                           batching=True, max_wait_ms=3, max_batch=args.max_batch)
+                           batching=True, max_wait_ms=3, max_batch=args.max_batch,
+                           cuda=CudaOptions(cudnn_algorithms=args.cudnn_algorithms))
     result["open_s"] = round(time.perf_counter() - t0, 1)
     print("opened in", result["open_s"], "s", flush=True)
     t0 = time.perf_counter()
