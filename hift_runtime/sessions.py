@@ -96,9 +96,10 @@ class CudaOptions:
     # algorithms and ignores it.
     cudnn_threads: int | None = None
     # How cuDNN chooses the compiled engine's convolution algorithms: "benchmark" (timed per shape at warmup) or
-    # "heuristics" (its heuristic mode B, nothing timed: in fp32 as fast and a shorter start, its parity not yet
-    # measured); None: the precision's default, the benchmark in each (DEFAULT_CUDNN_ALGORITHMS, below). Ignored by
-    # ORT.
+    # "heuristics" (its heuristic mode B, nothing timed: in fp32 as fast, a warm warmup of 61 s where the benchmark's
+    # choosing alone took 142 s, half the memory, within fp32's bar of the CPU on the reduced model; its full-size
+    # parity not yet measured); None: the precision's default, the benchmark in each (DEFAULT_CUDNN_ALGORITHMS,
+    # below). Ignored by ORT.
     cudnn_algorithms: str | None = None
 
     def provider_options(self) -> dict[str, str]:
