@@ -338,7 +338,7 @@ class CompiledBackend:
                              f"warmup), got {cudnn_threads}")
         cudnn_algorithms = DEFAULT_CUDNN_ALGORITHMS[precision] if cudnn_algorithms is None else cudnn_algorithms
         if cudnn_algorithms not in CUDNN_ALGORITHMS:
-            raise ValueError(f"cudnn_algorithms must be one of {CUDNN_ALGORITHMS} (or None: the precision's best), "
+            raise ValueError(f"cudnn_algorithms must be one of {CUDNN_ALGORITHMS} (or None: the precision's default), "
                              f"got {cudnn_algorithms!r}")
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():

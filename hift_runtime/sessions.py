@@ -113,17 +113,19 @@ class CudaOptions:
 DEFAULT_CUDNN_THREADS = 8
 # How cuDNN picks the compiled engine's convolution algorithms (CudaOptions.cudnn_algorithms): "benchmark" (it times
 # its candidates per shape at warmup) or "heuristics" (benchmark off; its heuristic mode B, nothing timed). Measured on
-# the H200 (BENCHMARKS.md, "cuDNN's heuristic mode B"): in fp32 the compiled 24-frame step at 256 streams ran 111.3 ms
-# on mode B's choices against 153.1 ms on the benchmark's made in eight threads (one machine; 111.3 ms with the
-# benchmark in one thread before them, which fp32 now uses: BENCHMARK_IN_THREADS), and mode B's first start took
-# 134 s of warmup; but its streams' parity was not measured, and fp32's default is its parity, so mode B is opt-in. In
-# fp16 mode B's graphs were 12-20 % slower than the benchmark's (24.5 against 21.3 ms at 256 streams, two machines);
-# tf32 not measured on it. cuDNN's default, instant heuristic is no choice: fp16's steps 3-5x slower at 64-256.
+# the H200 (BENCHMARKS.md, "cuDNN's heuristic mode B" and "A race under mode B"): in fp32 the compiled 24-frame step
+# at 256 streams ran 110.9-111.3 ms on mode B's choices and 111.3 ms on the benchmark's made in one thread (153.1 ms
+# on those made in eight: BENCHMARK_IN_THREADS), mode B's warm warmup 61.1 s where the benchmark's choosing alone took
+# 142 s; its streams were within fp32's bar of the CPU on the reduced model, its full-size parity is not measured, and
+# fp32's default is its parity, so mode B is opt-in. In fp16 mode B's graphs were 12-20 % slower than the benchmark's
+# (24.5 against 21.3 ms at 256 streams, two machines); in tf32 the eager step 6.5 % slower. cuDNN's default, instant
+# heuristic is no choice: fp16's steps 3-5x slower at 64-256.
 CUDNN_ALGORITHMS = ("benchmark", "heuristics")
 DEFAULT_CUDNN_ALGORITHMS = {"fp32": "benchmark", "tf32": "benchmark", "fp16": "benchmark"}
 # Where cuDNN's benchmark was measured to choose as well in DEFAULT_CUDNN_THREADS threads as in one (fp16, replays
-# within 3 %). In fp32 eight threads chose slower algorithms (above), and tf32 was not measured: there the benchmark
-# chooses in one thread, as it did when tf32's capacity was measured.
+# within 3 %). In fp32 eight threads chose slower algorithms (above); in tf32 eight chose as well in the eager step
+# (+1.7 %) but the compiled graphs were not compared: there the benchmark chooses in one thread, as it did when
+# tf32's capacity was measured.
 BENCHMARK_IN_THREADS = ("fp16",)
 
 
