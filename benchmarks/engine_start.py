@@ -88,7 +88,7 @@ def main() -> None:
     backend = vocoder.backend
     result: dict = {"when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                     "command": "python benchmarks/engine_start.py " + " ".join(sys.argv[1:]),
-                    "cudnn_threads": args.cudnn_threads, "cudnn_algorithms": vocoder.backend.cudnn_algorithms,
+                    "cudnn_threads": args.cudnn_threads, "cudnn_algorithms": backend.cudnn_algorithms,
                     "open_and_warmup_s": round(time.perf_counter() - started, 1),
                     "first_call_seconds": backend.first_call_seconds, "warmup_seconds": backend.warmup_seconds}
     say("open and warmup done")

@@ -25,8 +25,6 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 # (engine, precision, cudnn_algorithms, choosing threads), run in this order
 ALL_ENGINES = [("mode B @8, first in the process", "fp32", "heuristics", 8),
                ("benchmark @1", "fp32", "benchmark", 1),
