@@ -82,6 +82,8 @@ def main() -> None:
                            batching=True, max_wait_ms=3, max_batch=args.max_batch,
                            cuda=CudaOptions(cudnn_algorithms=args.cudnn_algorithms))
     result["open_s"] = round(time.perf_counter() - t0, 1)
+    result["cudnn_algorithms"] = vocoder.backend.cudnn_algorithms  # as the engine resolved it
+    result["step_window_frames"] = vocoder.backend.step_window_frames
     print("opened in", result["open_s"], "s", flush=True)
     t0 = time.perf_counter()
     vocoder.warmup(progress=lambda m: print(m, flush=True))

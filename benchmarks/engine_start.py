@@ -6,7 +6,7 @@ limit still says how far it got. Point ``TORCHINDUCTOR_CACHE_DIR`` at an empty f
 with the same folder for a warm one::
 
     TORCHINDUCTOR_CACHE_DIR=/tmp/cache python benchmarks/engine_start.py --artifacts DIR --precision fp16 \\
-        --slots 3100 [--cudnn-threads 8] [--cudnn-algorithms heuristics] [--out R.json]
+        --slots 3100 [--cudnn-threads 8] [--cudnn-algorithms heuristics] [--step-window on] [--out R.json]
 """
 
 from __future__ import annotations
@@ -69,7 +69,10 @@ def main() -> None:
     p.add_argument("--cudnn-threads", type=int, default=None,
                    help="CudaOptions.cudnn_threads (default: the engine's, by free device memory)")
     p.add_argument("--cudnn-algorithms", choices=CUDNN_ALGORITHMS, default=None,
-                   help="CudaOptions.cudnn_algorithms (default: the benchmark)")
+                   help="CudaOptions.cudnn_algorithms (default: the precision's)")
+    p.add_argument("--step-window", choices=["on", "off"], default=None,
+                   help="CudaOptions.step_window: the stream step as one graph of the largest step size (default: the "
+                        "precision's)")
     p.add_argument("--out", help="a JSON of the results")
     args = p.parse_args()
     started = time.perf_counter()
@@ -80,15 +83,17 @@ def main() -> None:
     from hift_runtime import CudaOptions, open_vocoder
     from hift_runtime.compiled import compile_count
 
+    step_window = None if args.step_window is None else args.step_window == "on"
     vocoder = open_vocoder(args.artifacts, device="cuda", engine="compiled", precision=args.precision,
                            cuda=CudaOptions(slots=args.slots, cudnn_threads=args.cudnn_threads,
-                                            cudnn_algorithms=args.cudnn_algorithms))
+                                            cudnn_algorithms=args.cudnn_algorithms, step_window=step_window))
     say("opened")
     vocoder.warmup(progress=say)
     backend = vocoder.backend
     result: dict = {"when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                     "command": "python benchmarks/engine_start.py " + " ".join(sys.argv[1:]),
                     "cudnn_threads": args.cudnn_threads, "cudnn_algorithms": backend.cudnn_algorithms,
+                    "step_window": backend.step_window_frames,
                     "open_and_warmup_s": round(time.perf_counter() - started, 1),
                     "first_call_seconds": backend.first_call_seconds, "warmup_seconds": backend.warmup_seconds}
     say("open and warmup done")

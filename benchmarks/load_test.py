@@ -471,12 +471,12 @@ def main() -> None:
     p.add_argument("--final-window", choices=["on", "off"], default=None,
                    help="the compiled engine's final step as one call over its window (CudaOptions.final_window; "
                         "default: the engine's, on with CUDA graphs)")
-    p.add_argument("--step-window", action="store_true",
-                   help="the compiled engine's stream step as one graph over its window (CudaOptions.step_window: "
-                        "a faster start, more device time per row)")
+    p.add_argument("--step-window", choices=["on", "off"], default=None,
+                   help="the compiled engine's stream step as one graph over its window (CudaOptions.step_window; "
+                        "default: the precision's, on in fp32)")
     p.add_argument("--cudnn-algorithms", choices=CUDNN_ALGORITHMS, default=None,
                    help="how cuDNN chooses the compiled engine's convolution algorithms (CudaOptions.cudnn_algorithms; "
-                        "default: the benchmark)")
+                        "default: the precision's)")
     p.add_argument("--inline-lone-calls", choices=["on", "off"], default=None,
                    help="the scheduler's inline_lone_calls (in process: a quiet lone push's calls in the scheduling "
                         "thread; default: the engine's, on for the compiled engine's CUDA graphs)")
@@ -577,7 +577,8 @@ def main() -> None:
                                                else tuple(int(b) for b in args.short_step_batches.split(",")))
                 if args.final_window:
                     cuda = dataclasses.replace(cuda, final_window=args.final_window == "on")
-                cuda = dataclasses.replace(cuda, step_window=args.step_window, cudnn_algorithms=args.cudnn_algorithms)
+                step_window = None if args.step_window is None else args.step_window == "on"
+                cuda = dataclasses.replace(cuda, step_window=step_window, cudnn_algorithms=args.cudnn_algorithms)
             precision = args.precision if engine == "compiled" else ("tf32" if cuda.use_tf32 else args.precision)
             vocoder = open_vocoder(args.artifacts, device=args.device, cuda=cuda, batching=options[1], engine=engine,
                                    precision=precision, devices=args.gpus)
