@@ -46,8 +46,8 @@ import torch
 from .arrays import byte_view, copy_rows
 from .manifest import FOLDED_WEIGHTS, ArtifactError, Manifest
 from .noise import NoiseTable
-from .sessions import (CUDNN_ALGORITHMS, DEFAULT_CUDNN_ALGORITHMS, DEFAULT_CUDNN_THREADS, OFFLINE_SLOTS, PRECISIONS,
-                       cudnn_threads_at_most)
+from .sessions import (CUDNN_ALGORITHMS, DEFAULT_CUDNN_ALGORITHMS, DEFAULT_CUDNN_THREADS, DEFAULT_STEP_WINDOW,
+                       OFFLINE_SLOTS, PRECISIONS, cudnn_threads_at_most)
 from .slots import SlotRows
 from .streaming import StreamConstants
 
@@ -303,8 +303,10 @@ class CompiledBackend:
     end an input, instead of a graph of the look-ahead's 4 frames after generator steps (None, the default: on where
     CUDA graphs are captured). ``step_window``: likewise the stream step, one graph of the largest step size for
     every step up to it (each row's frames an input): no graphs of the shorter sizes, a push's generator work one
-    call per 24 frames (opt-in: a faster start, 92.5 s warm against 135-164 s on the H200, but its step costs 13-20 %
-    more device time per row, so it carries fewer streams near the device's capacity; BENCHMARKS.md).
+    call per 24 frames (None, the default: the precision's, :data:`~hift_runtime.sessions.DEFAULT_STEP_WINDOW`, where
+    CUDA graphs are captured: on in fp32, a warm start of 36 s against 81 s on the H200 at the same device time per
+    row; off in fp16, where its step cost 13-20 % more device time per row and carried fewer streams near the
+    device's capacity, and in tf32; BENCHMARKS.md).
     ``cudnn_threads``: the threads that choose cuDNN's convolution algorithms at :meth:`warmup`, side by side, and
     capture the shapes they chose for (:class:`_ChoosingThreads`; None: :func:`cudnn_threads_for_memory`, at most
     :func:`~hift_runtime.sessions.cudnn_threads_at_most`: one for cuDNN's benchmark in fp32 and tf32).
@@ -323,7 +325,7 @@ class CompiledBackend:
                  slots: int = 2048, conv_layout: str | None = None, compile_processes: int = 5,
                  cache_layout: str = "channels-first",
                  short_step_batch_sizes: tuple[int, ...] | None = None, final_window: bool | None = None,
-                 step_window: bool = False, cudnn_threads: int | None = None,
+                 step_window: bool | None = None, cudnn_threads: int | None = None,
                  cudnn_algorithms: str | None = None) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
@@ -367,6 +369,8 @@ class CompiledBackend:
         window = self.cuda_graphs and bool(step_sizes) if final_window is None else final_window
         self.final_window_frames: int | None = (max(step_sizes or STEP_SIZES) + constants.mel_look_ahead
                                                 if window else None)
+        step_window = (self.cuda_graphs and bool(step_sizes) and DEFAULT_STEP_WINDOW[precision]
+                       if step_window is None else step_window)
         self.step_window_frames: int | None = max(step_sizes or STEP_SIZES) if step_window else None
         self.f0_step_sizes = F0_STEP_SIZES if self.on_cuda and step_sizes else None
         ladder = set(batch_sizes) | set(BATCH_SIZES)  # (sizes above the scheduler's max_batch are dropped below)

@@ -147,12 +147,13 @@ def _parser() -> argparse.ArgumentParser:
                         "on an H200 two kept 384-512 real-time streams where one kept 256)")
     p.add_argument("--cudnn-threads", type=int, default=None,
                    help="the compiled engine's warmup: threads that choose cuDNN's convolution algorithms (default: "
-                        "one per 8 GiB of free GPU memory, at most 8, or 1 for cuDNN's benchmark in fp32 and tf32; "
-                        "with --processes N, each process that // N)")
+                        "one per 8 GiB of free GPU memory, at most 8, or 1 where cuDNN's benchmark chooses in fp32 "
+                        "and tf32; with --processes N, each process that // N)")
     p.add_argument("--cudnn-algorithms", choices=CUDNN_ALGORITHMS, default=None,
                    help="how cuDNN chooses the compiled engine's convolution algorithms: timed at warmup (benchmark, "
-                        "the default) or by its heuristic mode B (heuristics: in fp32 as fast, a warm warmup of 61 s "
-                        "where the benchmark's choosing alone took 142 s, half the memory; in fp16 12-20%% slower)")
+                        "tf32's and fp16's default) or by its heuristic mode B (heuristics, fp32's default: there as "
+                        "fast and as exact, a warm start of 81 s against 139 s, half the memory; in fp16 12-20%% "
+                        "slower)")
     p.add_argument("--max-streams", type=int, default=None,
                    help="open streams at most; a start beyond it is refused with an overload message (default: what "
                         "the device holds: its cache slots on the GPU, a quarter of the free memory on the CPU)")

@@ -86,9 +86,10 @@ class CudaOptions:
     final_window: bool | None = None
     # Likewise the stream step: one graph of 24 frames for every step up to 24, each row's frames an input (no graphs
     # of 8, 4 and 1 frames: three compiles and ~58 s of captures fewer; a push's generator work one call per 24
-    # frames). Opt-in: it starts faster but its step costs 13-20 % more device time per row on the H200, so it
-    # carries fewer streams near capacity (BENCHMARKS.md, "The stream step in a window, measured").
-    step_window: bool = False
+    # frames). None (the default): the precision's, DEFAULT_STEP_WINDOW (below), where CUDA graphs are captured: on in
+    # fp32 (no device time lost there, a warm start 36 s against 81 s); off in fp16, where its step cost 13-20 % more
+    # device time per row on the H200 and carried fewer streams near capacity, and in tf32 (not measured).
+    step_window: bool | None = None
     # The compiled engine's warmup: threads that choose cuDNN's convolution algorithms side by side (torch keeps the
     # choices per thread, so each also captures the shapes it chose for), while the warmup's thread loads the graphs.
     # None: one per 8 GiB of free device memory, at most DEFAULT_CUDNN_THREADS, or one for cuDNN's benchmark in fp32
@@ -96,10 +97,8 @@ class CudaOptions:
     # algorithms and ignores it.
     cudnn_threads: int | None = None
     # How cuDNN chooses the compiled engine's convolution algorithms: "benchmark" (timed per shape at warmup) or
-    # "heuristics" (its heuristic mode B, nothing timed: in fp32 as fast, a warm warmup of 61 s where the benchmark's
-    # choosing alone took 142 s, half the memory, within fp32's bar of the CPU on the reduced model; its full-size
-    # parity not yet measured); None: the precision's default, the benchmark in each (DEFAULT_CUDNN_ALGORITHMS,
-    # below). Ignored by ORT.
+    # "heuristics" (its heuristic mode B, nothing timed); None: the precision's default (DEFAULT_CUDNN_ALGORITHMS,
+    # below: mode B in fp32, the benchmark in tf32 and fp16). Ignored by ORT.
     cudnn_algorithms: str | None = None
 
     def provider_options(self) -> dict[str, str]:
@@ -113,20 +112,26 @@ class CudaOptions:
 DEFAULT_CUDNN_THREADS = 8
 # How cuDNN picks the compiled engine's convolution algorithms (CudaOptions.cudnn_algorithms): "benchmark" (it times
 # its candidates per shape at warmup) or "heuristics" (benchmark off; its heuristic mode B, nothing timed). Measured on
-# the H200 (BENCHMARKS.md, "cuDNN's heuristic mode B" and "A race under mode B"): in fp32 the compiled 24-frame step
-# at 256 streams ran 110.9-111.3 ms on mode B's choices and 111.3 ms on the benchmark's made in one thread (153.1 ms
-# on those made in eight: BENCHMARK_IN_THREADS), mode B's warm warmup 61.1 s where the benchmark's choosing alone took
-# 142 s; its streams were within fp32's bar of the CPU on the reduced model, its full-size parity is not measured, and
-# fp32's default is its parity, so mode B is opt-in. In fp16 mode B's graphs were 12-20 % slower than the benchmark's
-# (24.5 against 21.3 ms at 256 streams, two machines); in tf32 the eager step 6.5 % slower. cuDNN's default, instant
-# heuristic is no choice: fp16's steps 3-5x slower at 64-256.
+# the H200 (BENCHMARKS.md, "cuDNN's heuristic mode B", "A race under mode B" and "fp32's defaults"): in fp32 the
+# compiled 24-frame step at 256 streams ran 110.9-111.3 ms on mode B's choices and 111.3-111.7 ms on the benchmark's
+# made in one thread (153.1 ms on those made in eight: BENCHMARK_IN_THREADS); a whole warm start 81.2 s against
+# 139.4 s (the benchmark's choosing alone took 142 s cold), in half the memory; its full-size streams 110.87-111.74 dB
+# from the CPU's (a 20 s stream 111.35 dB; the benchmark's 110.85 and 111.35), so mode B is fp32's default. In fp16
+# mode B's graphs were 12-20 % slower than the benchmark's (24.5 against 21.3 ms at 256 streams, two machines); in
+# tf32 the eager step 6.5 % slower. cuDNN's default, instant heuristic is no choice: fp16's steps 3-5x slower at
+# 64-256.
 CUDNN_ALGORITHMS = ("benchmark", "heuristics")
-DEFAULT_CUDNN_ALGORITHMS = {"fp32": "benchmark", "tf32": "benchmark", "fp16": "benchmark"}
+DEFAULT_CUDNN_ALGORITHMS = {"fp32": "heuristics", "tf32": "benchmark", "fp16": "benchmark"}
 # Where cuDNN's benchmark was measured to choose as well in DEFAULT_CUDNN_THREADS threads as in one (fp16, replays
 # within 3 %). In fp32 eight threads chose slower algorithms (above); in tf32 eight chose as well in the eager step
 # (+1.7 %) but the compiled graphs were not compared: there the benchmark chooses in one thread, as it did when
 # tf32's capacity was measured.
 BENCHMARK_IN_THREADS = ("fp16",)
+# Where the compiled engine's stream step is one graph over its window by default (CudaOptions.step_window; on where
+# CUDA graphs are captured). In fp32 it costs no device time (0.564 against 0.570 ms per row of the 24-frame step at
+# 768 streams, the same capacity) and halves the start (a warm one 36 s against 81 s); in fp16 it cost 13-20 % per row
+# (BENCHMARKS.md, "The stream step in a window"); in tf32 it is not measured.
+DEFAULT_STEP_WINDOW = {"fp32": True, "tf32": False, "fp16": False}
 
 
 def cudnn_threads_at_most(precision: str, cudnn_algorithms: str | None) -> int:

@@ -144,9 +144,10 @@ def test_a_step_in_a_window_equals_the_step_of_each_rows_frames(reduced_config, 
 @pytest.mark.parametrize("step_window", [False, True])
 def test_streams_ending_in_the_final_window_equal_the_ort_engine(small_artifacts, ort_cpu, step_window):
     """The compiled engine's final window (CudaOptions.final_window; on by default with CUDA graphs), and with it the
-    stream step's (CudaOptions.step_window, opt-in), batched: streams ending at many remainders (an utterance of 1
-    frame whose first push is its last, a finish longer than the window) equal the ONNX Runtime engine's; a last push
-    of up to 24 new frames is one generator call, and with the step window so is every push of up to 24."""
+    stream step's (CudaOptions.step_window, fp32's default on the GPU), batched: streams ending at many remainders (an
+    utterance of 1 frame whose first push is its last, a finish longer than the window) equal the ONNX Runtime
+    engine's; a last push of up to 24 new frames is one generator call, and with the step window so is every push of
+    up to 24."""
     from hift_runtime.sessions import CudaOptions
 
     sizes = (24, 8, 4, 1)
@@ -507,25 +508,28 @@ def test_the_choosing_threads_default_to_what_the_device_memory_holds(small_arti
     assert open_vocoder(small_artifacts.out, device="cpu", engine="ort", cuda=CudaOptions(cudnn_threads=2)).backend
 
 
-def test_cudnn_chooses_by_its_benchmark_or_on_request_by_its_heuristic_mode_b(compiled_cpu, monkeypatch):
-    """cuDNN's benchmark by default (in one thread for fp32 and tf32, where eight chose slower fp32 algorithms); its
-    heuristic mode B on request, the variable torch reads set unless the environment says otherwise; the choice named
-    in the warmup's words, and it sets cuDNN's benchmark switch."""
+def test_cudnn_chooses_by_the_precisions_default_or_as_asked(compiled_cpu, monkeypatch):
+    """Each precision's default: its heuristic mode B in fp32 (as fast, a shorter start), cuDNN's benchmark in tf32
+    and fp16 (in one thread for tf32, where eight were not measured on the compiled graphs); either on request, the
+    variable torch reads set for mode B unless the environment says otherwise; the choice named in the warmup's
+    words, and it sets cuDNN's benchmark switch."""
     import torch
 
     import hift_runtime.compiled as compiled
     from hift_runtime.sessions import cudnn_threads_at_most
 
-    assert set(compiled.DEFAULT_CUDNN_ALGORITHMS.values()) == {"benchmark"}
+    assert compiled.DEFAULT_CUDNN_ALGORITHMS == {"fp32": "heuristics", "tf32": "benchmark", "fp16": "benchmark"}
     # the most choosing threads: eight, but one for the benchmark where eight were not measured to choose as well
-    cases = (("fp32", None), ("fp16", None), ("tf32", None), ("fp32", "heuristics"), ("tf32", "heuristics"))
-    assert [cudnn_threads_at_most(p, a) for p, a in cases] == [1, 8, 1, 8, 8]
+    cases = (("fp32", None), ("fp16", None), ("tf32", None), ("fp32", "benchmark"), ("tf32", "heuristics"))
+    assert [cudnn_threads_at_most(p, a) for p, a in cases] == [8, 8, 1, 1, 8]
     assert compiled.cudnn_threads_for_memory(135 << 30, at_most=1) == 1
     manifest, constants = compiled_cpu.backend.manifest, compiled_cpu.constants
     with pytest.raises(ValueError, match="cudnn_algorithms must be one of"):
         compiled.CompiledBackend(manifest, constants, device="cpu", cudnn_algorithms="fastest")
     default = compiled.CompiledBackend(manifest, constants, device="cpu", compile=False)
-    assert default.cudnn_algorithms == "benchmark" and default.cudnn_choice() == "its benchmark"
+    assert default.precision == "fp32" and default.cudnn_algorithms == "heuristics"
+    default = compiled.CompiledBackend(manifest, constants, device="cpu", compile=False, cudnn_algorithms="benchmark")
+    assert default.cudnn_choice() == "its benchmark"
     monkeypatch.setenv(compiled.HEURISTIC_MODE_B_ENV, "")  # (recorded, so what the test sets is undone after it)
     monkeypatch.delenv(compiled.HEURISTIC_MODE_B_ENV)
     asked = compiled.CompiledBackend(manifest, constants, device="cpu", compile=False, cudnn_algorithms="heuristics")
