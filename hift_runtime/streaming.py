@@ -312,9 +312,9 @@ class StreamingVocoder:
         # turn under load. Longer remainders go first as steps of the largest size, so the window must exceed it by
         # the mel look-ahead (those steps need it).
         self.final_window = getattr(backend, "final_window_frames", None)
-        # Likewise for the stream step (opt-in: a faster start, more device time per row; BENCHMARKS.md): every
-        # generator step of up to this many frames is one call of one graph, so a push is its F0 call and one
-        # generator call per this many frames.
+        # Likewise for the stream step (fp32's default on the GPU: a faster start; in fp16 more device time per row,
+        # BENCHMARKS.md): every generator step of up to this many frames is one call of one graph, so a push is its
+        # F0 call and one generator call per this many frames.
         self.step_window = getattr(backend, "step_window_frames", None)
         # The size of the steps that reach a final window's start (None: sizes unbounded, any count is one step).
         self.steps_before_final_window = self.step_window or (step_sizes[0] if step_sizes else None)
