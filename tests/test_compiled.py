@@ -545,6 +545,19 @@ def test_cudnn_chooses_by_the_precisions_default_or_as_asked(compiled_cpu, monke
             assert torch.backends.cudnn.benchmark is benchmark
 
 
+def test_the_step_window_is_fp32s_default_where_cuda_graphs_are_captured(compiled_cpu):
+    """CudaOptions.step_window None: the precision's default (on in fp32, off in tf32 and fp16: measured there to
+    cost device time per row), and only where CUDA graphs are captured (the CPU runs a graph per step size); an
+    explicit value wins."""
+    import hift_runtime.compiled as compiled
+
+    assert compiled.DEFAULT_STEP_WINDOW == {"fp32": True, "tf32": False, "fp16": False}
+    manifest, constants = compiled_cpu.backend.manifest, compiled_cpu.constants
+    assert compiled.CompiledBackend(manifest, constants, device="cpu", compile=False).step_window_frames is None
+    asked = compiled.CompiledBackend(manifest, constants, device="cpu", compile=False, step_window=True)
+    assert asked.step_window_frames == max(compiled.STEP_SIZES)
+
+
 @pytest.mark.parametrize("fail", [False, True])
 def test_warmup_loads_graphs_while_threads_choose_and_captures_in_the_choosers(small_artifacts, monkeypatch, fail):
     """The warmup's order on a stand-in device (the CPU playing CUDA, captures recorded): the choosing threads start,
