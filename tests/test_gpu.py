@@ -386,8 +386,8 @@ def _fp32_opt_ins_against_the_cpu(artifacts: str) -> list[tuple[float, float]]:
 
     from hift_runtime.compiled import HEURISTIC_MODE_B_ENV
 
-    # (set by this module's default engine in the parent and inherited: torch reads it at the first convolution, and
-    # it shapes the benchmark's candidates too)
+    # (set by this module's default engine in the parent and inherited: dropped, so this process starts as a server's
+    # fp32 process on the benchmark would; torch reads it once, at the first heuristic convolution)
     os.environ.pop(HEURISTIC_MODE_B_ENV, None)
     vocoder = open_vocoder(artifacts, device="cuda", engine="compiled", max_wait_ms=5,
                            cuda=CudaOptions(cudnn_algorithms="benchmark", step_window=False))
