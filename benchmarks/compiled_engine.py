@@ -76,7 +76,7 @@ def main() -> None:
                               "command": "python benchmarks/compiled_engine.py " + " ".join(
                                   f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
                               "torch": torch.__version__, "device": torch.cuda.get_device_name(0),
-                              "precision": args.precision, "cudnn_algorithms": args.cudnn_algorithms}
+                              "precision": args.precision}
     t0 = time.perf_counter()
     vocoder = open_vocoder(args.artifacts, device="cuda", engine="compiled", precision=args.precision,
                            batching=True, max_wait_ms=3, max_batch=args.max_batch,

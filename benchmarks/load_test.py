@@ -571,14 +571,15 @@ def main() -> None:
             engine = args.engine if name in ("batched", "per_stream") else "ort"
             if engine == "compiled":
                 cuda = dataclasses.replace(cuda, conv_layout=args.conv_layout,
-                                           cache_layout=args.cache_layout or "channels-first")
+                                           cache_layout=args.cache_layout or "channels-first",
+                                           cudnn_algorithms=args.cudnn_algorithms)
                 if args.short_step_batches:
                     cuda = dataclasses.replace(cuda, short_step_batch_sizes=None if args.short_step_batches == "all"
                                                else tuple(int(b) for b in args.short_step_batches.split(",")))
                 if args.final_window:
                     cuda = dataclasses.replace(cuda, final_window=args.final_window == "on")
-                step_window = None if args.step_window is None else args.step_window == "on"
-                cuda = dataclasses.replace(cuda, step_window=step_window, cudnn_algorithms=args.cudnn_algorithms)
+                if args.step_window:
+                    cuda = dataclasses.replace(cuda, step_window=args.step_window == "on")
             precision = args.precision if engine == "compiled" else ("tf32" if cuda.use_tf32 else args.precision)
             vocoder = open_vocoder(args.artifacts, device=args.device, cuda=cuda, batching=options[1], engine=engine,
                                    precision=precision, devices=args.gpus)

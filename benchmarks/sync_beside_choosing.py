@@ -80,8 +80,9 @@ def main() -> None:
     p.add_argument("--engines", default="all", choices=["all", "mode-b"], help="mode-b: two mode B engines alone")
     p.add_argument("--out", help="a JSON of the results")
     args = p.parse_args()
-    os.environ.setdefault("TORCH_CUDNN_USE_HEURISTIC_MODE_B", "1")
-    from hift_runtime.compiled import STEP_SIZES, CompiledBackend
+    from hift_runtime.compiled import HEURISTIC_MODE_B_ENV, STEP_SIZES, CompiledBackend
+
+    os.environ.setdefault(HEURISTIC_MODE_B_ENV, "1")  # (torch reads it at its first heuristic convolution)
     from hift_runtime.manifest import read_manifest
     from hift_runtime.noise import NoiseTable
     from hift_runtime.streaming import StreamConstants
