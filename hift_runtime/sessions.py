@@ -88,7 +88,8 @@ class CudaOptions:
     # of 8, 4 and 1 frames: three compiles and ~58 s of captures fewer; a push's generator work one call per 24
     # frames). None (the default): the precision's, DEFAULT_STEP_WINDOW (below), where CUDA graphs are captured: on in
     # fp32 (no device time lost there, a warm start 36 s against 81 s); off in fp16, where its step cost 13-20 % more
-    # device time per row on the H200 and carried fewer streams near capacity, and in tf32 (not measured).
+    # device time per row on the H200 and carried fewer streams near capacity, and in tf32, where its pushes waited
+    # twice as long under load (p95 288 against 154 ms at 1 536 streams) for the same device time.
     step_window: bool | None = None
     # The compiled engine's warmup: threads that choose cuDNN's convolution algorithms side by side (torch keeps the
     # choices per thread, so each also captures the shapes it chose for), while the warmup's thread loads the graphs.
@@ -130,7 +131,8 @@ BENCHMARK_IN_THREADS = ("fp16",)
 # Where the compiled engine's stream step is one graph over its window by default (CudaOptions.step_window; on where
 # CUDA graphs are captured). In fp32 it costs no device time (0.564 against 0.570 ms per row of the 24-frame step at
 # 768 streams, the same capacity) and halves the start (a warm one 36 s against 81 s); in fp16 it cost 13-20 % per row
-# (BENCHMARKS.md, "The stream step in a window"); in tf32 it is not measured.
+# (BENCHMARKS.md, "The stream step in a window"); in tf32 the device time was the same but the pushes waited twice
+# as long under load and 1 792 streams were no longer kept (BENCHMARKS.md, "tf32 keeps its graph per step size").
 DEFAULT_STEP_WINDOW = {"fp32": True, "tf32": False, "fp16": False}
 
 
