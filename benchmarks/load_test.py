@@ -477,6 +477,9 @@ def main() -> None:
     p.add_argument("--cudnn-algorithms", choices=CUDNN_ALGORITHMS, default=None,
                    help="how cuDNN chooses the compiled engine's convolution algorithms (CudaOptions.cudnn_algorithms; "
                         "default: the precision's)")
+    p.add_argument("--cudnn-threads", type=int, default=None,
+                   help="threads the compiled engine's warmup chooses cuDNN's algorithms in (CudaOptions.cudnn_threads; "
+                        "default: the engine's)")
     p.add_argument("--inline-lone-calls", choices=["on", "off"], default=None,
                    help="the scheduler's inline_lone_calls (in process: a quiet lone push's calls in the scheduling "
                         "thread; default: the engine's, on for the compiled engine's CUDA graphs)")
@@ -542,10 +545,10 @@ def main() -> None:
     # Each K runs under every (switch interval, queue_behind, scheduler) variant, one after the other, on the same
     # open vocoder.
     variants = [(ms, qb, d) for ms in intervals_ms for qb in queue_behinds for d in drivers]
-    if (args.conv_layout or args.cache_layout or args.short_step_batches or args.cudnn_algorithms) and \
-            (args.engine != "compiled" or "served" in args.configs):
-        p.error("--conv-layout, --cache-layout, --short-step-batches and --cudnn-algorithms are for the compiled "
-                "engine in process (hift-serve runs the engine's defaults)")
+    if (args.conv_layout or args.cache_layout or args.short_step_batches or args.cudnn_algorithms
+            or args.cudnn_threads) and (args.engine != "compiled" or "served" in args.configs):
+        p.error("--conv-layout, --cache-layout, --short-step-batches, --cudnn-algorithms and --cudnn-threads are for "
+                "the compiled engine in process (hift-serve runs the engine's defaults)")
     for name in args.configs.split(","):
         t0 = time.perf_counter()
         if name == "served":
@@ -572,7 +575,7 @@ def main() -> None:
             if engine == "compiled":
                 cuda = dataclasses.replace(cuda, conv_layout=args.conv_layout,
                                            cache_layout=args.cache_layout or "channels-first",
-                                           cudnn_algorithms=args.cudnn_algorithms)
+                                           cudnn_algorithms=args.cudnn_algorithms, cudnn_threads=args.cudnn_threads)
                 if args.short_step_batches:
                     cuda = dataclasses.replace(cuda, short_step_batch_sizes=None if args.short_step_batches == "all"
                                                else tuple(int(b) for b in args.short_step_batches.split(",")))
@@ -624,6 +627,7 @@ def main() -> None:
                                       "final_window_frames": getattr(backend, "final_window_frames", None),
                                       "step_window_frames": getattr(backend, "step_window_frames", None),
                                       "cudnn_algorithms": getattr(backend, "cudnn_algorithms", None),
+                                      "cudnn_threads": args.cudnn_threads,
                                       "engine": (f"hift-serve --frontend {args.served_frontend} --engine {args.engine} --precision {args.precision}"
                                                  + (f" x {args.served_processes} processes" if args.served_processes > 1 else "")
                                                  if name == "served" else
