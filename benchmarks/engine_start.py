@@ -6,7 +6,8 @@ limit still says how far it got. Point ``TORCHINDUCTOR_CACHE_DIR`` at an empty f
 with the same folder for a warm one::
 
     TORCHINDUCTOR_CACHE_DIR=/tmp/cache python benchmarks/engine_start.py --artifacts DIR --precision fp16 \\
-        --slots 3100 [--cudnn-threads 8] [--cudnn-algorithms heuristics] [--step-window on] [--out R.json]
+        --slots 3100 [--cudnn-threads 8] [--cudnn-algorithms heuristics] [--step-window on] \
+        [--warmup-switch-interval-ms off] [--out R.json]
 """
 
 from __future__ import annotations
@@ -73,20 +74,34 @@ def main() -> None:
     p.add_argument("--step-window", choices=["on", "off"], default=None,
                    help="CudaOptions.step_window: the stream step as one graph of the largest step size (default: the "
                         "precision's)")
+    p.add_argument("--warmup-switch-interval-ms", default=None,
+                   help="CudaOptions.warmup_switch_interval_s in ms, or off: the process's own, Python's 5 ms "
+                        "(default: the engine's, 0.5 ms)")
     p.add_argument("--out", help="a JSON of the results")
     args = p.parse_args()
+    from hift_runtime import CudaOptions
+
+    interval = CudaOptions().warmup_switch_interval_s
+    if args.warmup_switch_interval_ms == "off":
+        interval = None
+    elif args.warmup_switch_interval_ms is not None:
+        try:
+            interval = float(args.warmup_switch_interval_ms) / 1e3
+        except ValueError:
+            p.error(f"--warmup-switch-interval-ms takes a number of ms or off, got {args.warmup_switch_interval_ms!r}")
     started = time.perf_counter()
 
     def say(message: str) -> None:
         print(f"[{time.perf_counter() - started:6.1f} s] {message}", flush=True)
 
-    from hift_runtime import CudaOptions, open_vocoder
+    from hift_runtime import open_vocoder
     from hift_runtime.compiled import compile_count
 
     step_window = None if args.step_window is None else args.step_window == "on"
     vocoder = open_vocoder(args.artifacts, device="cuda", engine="compiled", precision=args.precision,
                            cuda=CudaOptions(slots=args.slots, cudnn_threads=args.cudnn_threads,
-                                            cudnn_algorithms=args.cudnn_algorithms, step_window=step_window))
+                                            cudnn_algorithms=args.cudnn_algorithms, step_window=step_window,
+                                            warmup_switch_interval_s=interval))
     say("opened")
     vocoder.warmup(progress=say)
     backend = vocoder.backend
@@ -94,6 +109,7 @@ def main() -> None:
                     "command": "python benchmarks/engine_start.py " + " ".join(sys.argv[1:]),
                     "cudnn_threads": args.cudnn_threads, "cudnn_algorithms": backend.cudnn_algorithms,
                     "step_window": backend.step_window_frames,
+                    "warmup_switch_interval_s": backend.warmup_switch_interval_s,
                     "open_and_warmup_s": round(time.perf_counter() - started, 1),
                     "first_call_seconds": backend.first_call_seconds, "warmup_seconds": backend.warmup_seconds}
     say("open and warmup done")

@@ -6,12 +6,16 @@ keep the GIL busy (as the event loop, the scheduler and the device thread do at 
 NumPy releases the GIL inside most array operations, whatever their size; with other threads waiting for it, each
 release hands the GIL over and the caller waits to get it back (up to Python's switch interval, 0.5 ms here as in
 hift-serve). An operation of microseconds then costs a hand-off: the stacking of a batch's rows (one release per row)
-is where a batched call's host time goes. ``bytes.join`` and ``hift_runtime.arrays`` copy under the GIL.
+is where a batched call's host time goes. ``bytes.join`` and ``hift_runtime.arrays`` copy under the GIL. torch's ops
+release the GIL too: the compiled engine's warmup, whose choosing threads run the eager step beside dynamo's tracing
+(pure Python, as the busy threads here), runs under a short interval for that reason
+(``CudaOptions.warmup_switch_interval_s``; compare ``--switch-interval-ms 5``, Python's default).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import sys
 import threading
@@ -47,7 +51,13 @@ def operations(batch: int) -> dict[str, Callable[[], object]]:
     chunk = np.ascontiguousarray(buffer[:, :24])
     audio = rng.random((1, 11520), dtype=np.float32)
     rows = [rng.random((1, 80, 28), dtype=np.float32) for _ in range(batch)]  # a batch's mel windows
+    import torch  # (the compiled engine's warmup: its choosing threads run the eager step, op by op)
+
+    torch.set_num_threads(1)
+    signal, weight = torch.zeros(1, 8, 16), torch.zeros(8, 8, 3)
     return {
+        "a small torch op (conv1d 8 x 16, as a warmup's eager step makes hundreds)":
+            lambda: torch.nn.functional.conv1d(signal, weight, padding=1),
         "concatenate a push's mel history and chunk": lambda: np.concatenate([history, chunk], axis=1),
         "contiguous copy of a chunk (80 x 24)": lambda: np.ascontiguousarray(buffer[:, 10:34]),
         "min of a chunk": lambda: chunk.min(),
@@ -74,6 +84,7 @@ def main() -> None:
     ops = operations(args.batch)
     result: dict[str, object] = {"command": "python benchmarks/gil_handoffs.py " + " ".join(sys.argv[1:]),
                                  "numpy": np.__version__, "python": sys.version.split()[0],
+                                 "when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                                  "switch_interval_ms": args.switch_interval_ms, "us_per_call": {}}
     for busy in (int(x) for x in args.busy.split(",")):
         stop = threading.Event()

@@ -46,6 +46,7 @@ import torch
 from .arrays import byte_view, copy_rows
 from .manifest import FOLDED_WEIGHTS, ArtifactError, Manifest
 from .noise import NoiseTable
+from .process_tuning import HANDOFF_SWITCH_INTERVAL_S, switch_interval_at_most
 from .sessions import (CUDNN_ALGORITHMS, DEFAULT_CUDNN_ALGORITHMS, DEFAULT_CUDNN_THREADS, DEFAULT_STEP_WINDOW,
                        OFFLINE_SLOTS, PRECISIONS, cudnn_threads_at_most)
 from .slots import SlotRows
@@ -312,6 +313,8 @@ class CompiledBackend:
     :func:`~hift_runtime.sessions.cudnn_threads_at_most`: one for cuDNN's benchmark in fp32 and tf32).
     ``cudnn_algorithms``: how cuDNN chooses them, ``"benchmark"`` or ``"heuristics"`` (its heuristic mode B;
     :data:`CUDNN_ALGORITHMS`; None: the precision's default, :data:`DEFAULT_CUDNN_ALGORITHMS`).
+    ``warmup_switch_interval_s``: Python's GIL switch interval at most this while :meth:`warmup` runs, the process's
+    own restored after (None: left as it is; :func:`~hift_runtime.process_tuning.switch_interval_at_most`).
     """
 
     caches_in_place = True
@@ -326,7 +329,8 @@ class CompiledBackend:
                  cache_layout: str = "channels-first",
                  short_step_batch_sizes: tuple[int, ...] | None = None, final_window: bool | None = None,
                  step_window: bool | None = None, cudnn_threads: int | None = None,
-                 cudnn_algorithms: str | None = None) -> None:
+                 cudnn_algorithms: str | None = None,
+                 warmup_switch_interval_s: float | None = HANDOFF_SWITCH_INTERVAL_S) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         conv_layout = DEFAULT_CONV_LAYOUT[precision] if conv_layout is None else conv_layout
@@ -338,6 +342,9 @@ class CompiledBackend:
         if cudnn_threads is not None and cudnn_threads < 1:
             raise ValueError(f"cudnn_threads must be at least 1 (the threads that choose cuDNN's algorithms at "
                              f"warmup), got {cudnn_threads}")
+        if warmup_switch_interval_s is not None and not warmup_switch_interval_s > 0:
+            raise ValueError(f"warmup_switch_interval_s must be a positive number of seconds (or None: the process's "
+                             f"own), got {warmup_switch_interval_s!r}")
         cudnn_algorithms = DEFAULT_CUDNN_ALGORITHMS[precision] if cudnn_algorithms is None else cudnn_algorithms
         if cudnn_algorithms not in CUDNN_ALGORITHMS:
             raise ValueError(f"cudnn_algorithms must be one of {CUDNN_ALGORITHMS} (or None: the precision's default), "
@@ -355,6 +362,7 @@ class CompiledBackend:
         self.compile_processes = compile_processes
         self.cudnn_threads = cudnn_threads
         self.cudnn_algorithms = cudnn_algorithms
+        self.warmup_switch_interval_s = warmup_switch_interval_s
         self.on_cuda = self.device.type == "cuda"
         # (before the engine's first convolution: torch reads it once)
         self.heuristic_mode_b = self.on_cuda and cudnn_algorithms == "heuristics" and use_heuristic_mode_b()
@@ -586,7 +594,9 @@ class CompiledBackend:
         by side (:mod:`~hift_runtime.compile_workers`); and this thread makes each graph's first call (dynamo's load
         of the compile from inductor's cache, or the compile itself), a worker's graph as soon as it is done. Then
         each shape is captured, a generator or final shape in the thread that chose its algorithms (the compiled
-        graphs' convolutions are the same cuDNN calls, so they find the choices made), one at a time."""
+        graphs' convolutions are the same cuDNN calls, so they find the choices made), one at a time. All of it under
+        a short GIL switch interval (:attr:`warmup_switch_interval_s`): the choosing threads' eager ops each release
+        the GIL, and beside the first calls' tracing would wait up to Python's default 5 ms to get it back."""
         if not self.on_cuda or not step_sizes:
             return
         from .compile_workers import compile_units, precompile
@@ -601,8 +611,9 @@ class CompiledBackend:
             count = (cudnn_threads_for_memory(torch.cuda.mem_get_info(self.device)[0], at_most)
                      if self.device.type == "cuda" else 1)
         threads = _ChoosingThreads(self.device, shapes if self.cuda_graphs else [], count)
-        # (closed, its threads joined, before the switches they run under are restored)
-        with self._lock, self._precision(), contextlib.closing(threads):
+        # (closed, its threads joined, before the switches and the interval they run under are restored)
+        with self._lock, self._precision(), switch_interval_at_most(self.warmup_switch_interval_s), \
+                contextlib.closing(threads):
             choosing = threads.choose(self._choose_for)
             if threads.groups:
                 say(f"warmup: choosing cuDNN's algorithms ({self.cudnn_choice()}) for {len(threads.owner)} step "

@@ -19,16 +19,25 @@ later are collected as before, less often.
 Applied by the entry points that run streams (``hift-serve`` in each of its processes, the benchmarks; ``hift-vocode``
 the allocator's only), not by importing the library: an embedding application owns its process.
 ``HIFT_MALLOC_TUNING=0`` and ``HIFT_GC_TUNING=0`` turn them off.
+
+**The GIL's switch interval** (:data:`HANDOFF_SWITCH_INTERVAL_S`, :func:`switch_interval_at_most`). A thread that
+calls into NumPy or torch releases the GIL inside the call; beside a thread running pure Python it then waits for the
+GIL back up to Python's switch interval, 5 ms by default: a call of microseconds becomes one of milliseconds
+(``benchmarks/gil_handoffs.py``). ``hift-serve`` serves with a short interval; the compiled engine's warmup, whose
+threads call the eager step while dynamo traces in another, runs under one.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import gc
 import logging
 import os
+import sys
 import threading
 import time
+from collections.abc import Iterator
 
 log = logging.getLogger("hift_runtime")
 
@@ -43,6 +52,11 @@ MALLOC_ENV_SWITCH = "HIFT_MALLOC_TUNING"
 GC_ENV_SWITCH = "HIFT_GC_TUNING"
 # Container objects allocated (net) between young collections; Python's default is 700.
 YOUNG_COLLECTION_THRESHOLD = 10_000
+# A process's threads hand work to each other (a server's request threads, the streams' event loop, the push
+# scheduler, the device thread; a warmup's choosing threads beside dynamo's tracing): a short GIL switch interval
+# keeps each hand-off from waiting up to Python's default 5 ms. Set by both of hift-serve's front ends and, for its
+# own length, by the compiled engine's warmup (CudaOptions.warmup_switch_interval_s).
+HANDOFF_SWITCH_INTERVAL_S = 0.0005
 
 
 def keep_freed_memory() -> bool:
@@ -64,6 +78,22 @@ def keep_freed_memory() -> bool:
     if not applied:
         log.warning("hift_runtime: mallopt refused the allocator thresholds; freed memory is given back as before")
     return applied
+
+
+@contextlib.contextmanager
+def switch_interval_at_most(seconds: float | None) -> Iterator[None]:
+    """Python's GIL switch interval at most ``seconds`` inside the block, the process's own restored after. None, or
+    a process whose interval is already as short: nothing changed. (The interval is process-wide: a thread that sets
+    another meanwhile has it overwritten at the block's end.)"""
+    previous = sys.getswitchinterval()
+    if seconds is None or previous <= seconds:
+        yield
+        return
+    sys.setswitchinterval(seconds)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(previous)
 
 
 def tune_garbage_collector(young_threshold: int = YOUNG_COLLECTION_THRESHOLD) -> bool:

@@ -31,7 +31,7 @@ from . import wire
 from .argparsing import OneLineArgumentParser, gpu_ids
 from .manifest import ArtifactError
 from .noise import NoiseTableError
-from .process_tuning import keep_freed_memory, tune_garbage_collector
+from .process_tuning import HANDOFF_SWITCH_INTERVAL_S, keep_freed_memory, tune_garbage_collector
 from .serving import MAX_CHUNK_FRAMES, ChunkReply, ChunkRequest, StreamTable
 from .sessions import CUDNN_ALGORITHMS, nvidia_driver_present
 from .streaming import StreamingVocoder
@@ -96,11 +96,6 @@ def shared_libpython_env(env: MutableMapping[str, str] = os.environ, extra: Sequ
     if paths:
         env["LD_LIBRARY_PATH"] = os.pathsep.join(paths)
 
-
-# A server process's threads hand work to each other (Triton's or PyTriton's request thread, the stream table's event
-# loop, the push scheduler, the device thread, the replier): a short GIL switch interval keeps each hand-off from
-# waiting up to Python's default 5 ms. Set by both front ends.
-HANDOFF_SWITCH_INTERVAL_S = 0.0005
 
 # ``--frontend python-backend``: the function Triton's Python-backend model opens the runtime with (None: the
 # module's default, this module's open_table); benchmarks/modelled_server.py names a stand-in device's.

@@ -19,6 +19,7 @@ from .manifest import (F0_STEP, FOLDED_WEIGHTS, GENERATOR_STEP, GENERATOR_STEP_F
                        METADATA_PREFIX, POOL_OUTPUT, RUNTIME_ROLES, ArtifactError,
                        Manifest, ort_type, read_manifest)
 from .noise import NoiseTable
+from .process_tuning import HANDOFF_SWITCH_INTERVAL_S
 from .slots import Slot, SlotPoolFull, SlotRows  # noqa: F401 - SlotPoolFull re-exported
 from .streaming import CacheSpec, StreamConstants, StreamingVocoder
 
@@ -101,6 +102,11 @@ class CudaOptions:
     # "heuristics" (its heuristic mode B, nothing timed); None: the precision's default (DEFAULT_CUDNN_ALGORITHMS,
     # below: mode B in fp32, the benchmark in tf32 and fp16). Ignored by ORT.
     cudnn_algorithms: str | None = None
+    # Python's GIL switch interval at most this while the compiled engine's warmup runs (the process's own restored
+    # after; None: left as it is). Its choosing threads call the eager step, op by op, while the warmup's thread
+    # traces the graphs in pure Python; under Python's default 5 ms each op waited ~8 ms for the GIL, under 0.5 ms
+    # ~0.7 ms (benchmarks/gil_handoffs.py, the torch op beside a busy thread). Ignored by ORT.
+    warmup_switch_interval_s: float | None = HANDOFF_SWITCH_INTERVAL_S
 
     def provider_options(self) -> dict[str, str]:
         return {"device_id": str(self.device_id), "use_tf32": "1" if self.use_tf32 else "0",
@@ -767,4 +773,5 @@ def _compiled_backend(manifest: Manifest, constants: StreamConstants, device: st
                            compile_processes=cuda.compile_processes,
                            short_step_batch_sizes=cuda.short_step_batch_sizes, final_window=cuda.final_window,
                            step_window=cuda.step_window, cudnn_threads=cuda.cudnn_threads,
-                           cudnn_algorithms=cuda.cudnn_algorithms)
+                           cudnn_algorithms=cuda.cudnn_algorithms,
+                           warmup_switch_interval_s=cuda.warmup_switch_interval_s)

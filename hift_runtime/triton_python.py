@@ -159,8 +159,8 @@ class TritonPythonModel:
 
         import triton_python_backend_utils  # present inside Triton's Python backend only
 
-        from .process_tuning import keep_freed_memory, tune_garbage_collector
-        from .server import HANDOFF_SWITCH_INTERVAL_S, _parser
+        from .process_tuning import HANDOFF_SWITCH_INTERVAL_S, keep_freed_memory, tune_garbage_collector
+        from .server import _parser
         from .server_metrics import serve_state_metrics
 
         self._pb = triton_python_backend_utils

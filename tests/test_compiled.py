@@ -563,7 +563,9 @@ def test_warmup_loads_graphs_while_threads_choose_and_captures_in_the_choosers(s
     """The warmup's order on a stand-in device (the CPU playing CUDA, captures recorded): the choosing threads start,
     the warmup's thread makes each graph's first call meanwhile, then every shape is captured, a generator or final
     shape in the thread that chose for it. A thread whose choosing fails (out of memory) is said; its shapes are
-    captured all the same (the captures then choose)."""
+    captured all the same (the captures then choose). All of it under the short GIL switch interval, the process's
+    own back after."""
+    import sys
     import threading
 
     import torch
@@ -584,6 +586,7 @@ def test_warmup_loads_graphs_while_threads_choose_and_captures_in_the_choosers(s
 
     def choose_for(group):
         events.append(("chose", threading.current_thread().name, tuple(group)))
+        intervals.append(sys.getswitchinterval())
         if fail and ("final", backend.final_frames, 1) in group:
             raise RuntimeError("CUDA out of memory")
         real_choose(group)
@@ -595,12 +598,22 @@ def test_warmup_loads_graphs_while_threads_choose_and_captures_in_the_choosers(s
 
     monkeypatch.setattr(backend, "_choose_for", choose_for)
     monkeypatch.setattr(backend, "compile_shape", lambda kind, size: events.append(
-        ("first call", threading.current_thread().name, (kind, size))) or 0.0)
+        ("first call", threading.current_thread().name, (kind, size))) or intervals.append(sys.getswitchinterval())
+        or 0.0)
     monkeypatch.setattr(compiled, "_Captured", captured)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     said: list[str] = []
-    backend.warmup((24, 8), progress=said.append)
+    intervals: list[float] = []
+    own = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)  # Python's default
+    try:
+        backend.warmup((24, 8), progress=said.append)
+        assert sys.getswitchinterval() == pytest.approx(0.005)
+    finally:
+        sys.setswitchinterval(own)
+    assert len(intervals) == 2 + 3 and all(i == pytest.approx(backend.warmup_switch_interval_s) for i in intervals)
+    assert backend.warmup_switch_interval_s == 0.0005
 
     main = threading.current_thread().name
     chose = {shape: name for kind, name, group in events if kind == "chose" for shape in group}

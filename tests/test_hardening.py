@@ -482,3 +482,28 @@ def test_the_process_tuning_applies_and_each_part_can_be_turned_off():
 
     assert applied() == "True True True True"
     assert applied(HIFT_MALLOC_TUNING="0", HIFT_GC_TUNING="0") == "False False False False"
+
+
+def test_a_switch_interval_is_shortened_for_a_block_and_restored():
+    """The compiled engine's warmup runs under a short GIL switch interval: shortened inside the block, the process's
+    own back after it (also when the block raises); a process already at a shorter one, or None, is left alone."""
+    import sys
+
+    from hift_runtime.process_tuning import HANDOFF_SWITCH_INTERVAL_S, switch_interval_at_most
+
+    own = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        with switch_interval_at_most(HANDOFF_SWITCH_INTERVAL_S):
+            assert sys.getswitchinterval() == pytest.approx(HANDOFF_SWITCH_INTERVAL_S)
+        assert sys.getswitchinterval() == pytest.approx(0.005)
+        with pytest.raises(RuntimeError), switch_interval_at_most(0.001):
+            raise RuntimeError("a failed warmup")
+        assert sys.getswitchinterval() == pytest.approx(0.005)
+        with switch_interval_at_most(None):
+            assert sys.getswitchinterval() == pytest.approx(0.005)
+        sys.setswitchinterval(0.0001)
+        with switch_interval_at_most(HANDOFF_SWITCH_INTERVAL_S):
+            assert sys.getswitchinterval() == pytest.approx(0.0001)
+    finally:
+        sys.setswitchinterval(own)
