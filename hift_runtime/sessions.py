@@ -104,8 +104,8 @@ class CudaOptions:
     cudnn_algorithms: str | None = None
     # Python's GIL switch interval at most this while the compiled engine's warmup runs (the process's own restored
     # after; None: left as it is). Its choosing threads call the eager step, op by op, while the warmup's thread
-    # traces the graphs in pure Python; under Python's default 5 ms each op waited ~8 ms for the GIL, under 0.5 ms
-    # ~0.7 ms (benchmarks/gil_handoffs.py, the torch op beside a busy thread). Ignored by ORT.
+    # traces the graphs in pure Python; under Python's default 5 ms a small op took 5.6-8.4 ms beside it, under 0.5 ms
+    # 0.73-0.75 ms (benchmarks/gil_handoffs.py, its torch op beside a busy thread, 2 cores). Ignored by ORT.
     warmup_switch_interval_s: float | None = HANDOFF_SWITCH_INTERVAL_S
 
     def provider_options(self) -> dict[str, str]:
