@@ -90,9 +90,11 @@ def main() -> None:
         except ValueError:
             p.error(f"--warmup-switch-interval-ms takes a number of ms or off, got {args.warmup_switch_interval_ms!r}")
     started = time.perf_counter()
+    lines: list[str] = []  # (kept in the results too: a log cut short by a pipe keeps only its tail)
 
     def say(message: str) -> None:
-        print(f"[{time.perf_counter() - started:6.1f} s] {message}", flush=True)
+        lines.append(f"[{time.perf_counter() - started:6.1f} s] {message}")
+        print(lines[-1], flush=True)
 
     from hift_runtime import open_vocoder
     from hift_runtime.compiled import compile_count
@@ -120,6 +122,7 @@ def main() -> None:
     result["compiles_after_warmup"] = compile_count() - backend.compiles_at_warmup
     say(f"a stream against the offline pass: {result['stream_vs_offline_db']:.1f} dB over {samples} samples; "
         f"compiles after warmup: {result['compiles_after_warmup']}")
+    result["lines"] = lines
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
