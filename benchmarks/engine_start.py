@@ -6,7 +6,7 @@ limit still says how far it got. Point ``TORCHINDUCTOR_CACHE_DIR`` at an empty f
 with the same folder for a warm one::
 
     TORCHINDUCTOR_CACHE_DIR=/tmp/cache python benchmarks/engine_start.py --artifacts DIR --precision fp16 \\
-        --slots 3100 [--cudnn-threads 8] [--cudnn-algorithms heuristics] [--step-window on] \
+        --slots 3100 [--cudnn-threads 8] [--cudnn-algorithms heuristics] [--step-window on] \\
         [--warmup-switch-interval-ms off] [--out R.json]
 """
 
