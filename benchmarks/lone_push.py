@@ -65,6 +65,8 @@ def timed(fn: Callable[[], Any], runs: int, pace_s: float = 0.0) -> dict[str, fl
 
 
 def main() -> None:
+    from hift_runtime.sessions import CUDNN_ALGORITHMS
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--artifacts", required=True)
     p.add_argument("--precision", default="tf32", choices=["fp32", "tf32", "fp16"])
@@ -76,6 +78,8 @@ def main() -> None:
                    help="how the generator's cache rows lie on the device (CudaOptions.cache_layout)")
     p.add_argument("--slots", type=int, default=None,
                    help="device cache slots (CudaOptions.slots; the same as a precompile's to load its cache)")
+    p.add_argument("--cudnn-algorithms", choices=CUDNN_ALGORITHMS, default=None,
+                   help="how cuDNN chooses (CudaOptions.cudnn_algorithms; default: the precision's)")
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (eager fp32, no graphs: to try the script)")
     p.add_argument("--parity-seconds", type=float, default=10.0, help="the parity stream's length (0: none)")
     p.add_argument("--out")
@@ -90,7 +94,7 @@ def main() -> None:
     vocoder = open_vocoder(args.artifacts, device=args.device, engine="compiled", precision=args.precision,
                            max_batch=2, batching=True,
                            cuda=CudaOptions(slots=args.slots or CudaOptions.slots, conv_layout=args.conv_layout,
-                                                    cache_layout=args.cache_layout))
+                                            cache_layout=args.cache_layout, cudnn_algorithms=args.cudnn_algorithms))
     backend = vocoder.backend
     backend.warmup((24,), progress=lambda msg: print(msg, flush=True))
     warmup_s = time.perf_counter() - started
@@ -191,7 +195,7 @@ def main() -> None:
                   f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
               "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
               "conv_layout": backend.conv_layout, "cache_layout": backend.cache_layout,
-              "open_and_warmup_s": round(warmup_s, 1), "ms": rows,
+              "cudnn_algorithms": backend.cudnn_algorithms, "open_and_warmup_s": round(warmup_s, 1), "ms": rows,
               "parity_vs_cpu_fp32": parity}
     for name, row in rows.items():
         print(f"{name:24s} p50 {row['p50']:7.3f}  p95 {row['p95']:7.3f}  (n={row['n']})", flush=True)
