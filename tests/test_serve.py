@@ -600,10 +600,10 @@ def test_each_of_several_processes_gets_its_own_ports_stream_share_and_log():
         (1, 8020, 8021, 8022, 8023)
     assert child.max_streams == 34 and child.triton_log == "t.log.2" and child.artifacts == "a"
     assert child.cudnn_threads == 2  # fp32 (the default) on mode B: their warmups at once, each 8 // 3 threads
-    # where eight are the default; one where cuDNN's benchmark chooses in one (tf32's default, fp32's on request)
+    # where eight are the default; one where cuDNN's benchmark chooses in one (fp32's and tf32's on request)
     for options, threads in ((["--precision", "fp16"], 2), (["--cudnn-algorithms", "benchmark"], 1),
-                             (["--precision", "tf32"], 1),
-                             (["--precision", "tf32", "--cudnn-algorithms", "heuristics"], 2)):
+                             (["--precision", "tf32"], 2),
+                             (["--precision", "tf32", "--cudnn-algorithms", "benchmark"], 1)):
         one = argv + options
         assert _parser().parse_args(process_argv(_parser().parse_args(one), one, 2, 3)).cudnn_threads == threads
     given = argv + ["--cudnn-threads", "5"]
