@@ -135,10 +135,13 @@ def test_a_step_in_a_window_equals_the_step_of_each_rows_frames(reduced_config, 
                 if final:
                     continue
                 assert torch.equal(phase_out[r], alone_phase[0])
-                # Caches are activations up to ~5 here: float32 rounding of other convolution blockings, measured
-                # <= 5.5e-6 (the audio stays within TOLERANCE).
+                # Caches are activations up to ~5 here, and the two calls block their convolutions differently: the
+                # float32 rounding grows with the values, so it is bounded relative to each cache's peak. Measured
+                # <= 5.5e-6 absolute on one Intel VM, 1.3e-5 absolute (3.2e-6 of the peak) on an AMD EPYC one;
+                # 1e-5 of the peak leaves 3x (the audio stays within TOLERANCE).
                 for name, value in alone_new.items():
-                    assert max_abs(new[name][r].numpy(), value[0].numpy()) <= 1e-5, (first, end, name)
+                    peak = max(float(value[0].abs().max()), 1.0)
+                    assert max_abs(new[name][r].numpy(), value[0].numpy()) <= 1e-5 * peak, (first, end, name)
 
 
 @pytest.mark.parametrize("step_window", [False, True])
