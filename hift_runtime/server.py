@@ -147,8 +147,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cudnn-algorithms", choices=CUDNN_ALGORITHMS, default=None,
                    help="how cuDNN chooses the compiled engine's convolution algorithms: timed at warmup (benchmark, "
                         "fp16's default) or by its heuristic mode B (heuristics, fp32's and tf32's default: as fast "
-                        "under load and as exact, a warm start of 36-81 s in fp32 and 59 s in tf32 against 139 s and "
-                        "146 s; in fp16 12-20%% slower)")
+                        "under load and as exact, a warm start of 81 s against 139 s in fp32, 59 s against 146 s in "
+                        "tf32; in fp16 12-20%% slower)")
     p.add_argument("--max-streams", type=int, default=None,
                    help="open streams at most; a start beyond it is refused with an overload message (default: what "
                         "the device holds: its cache slots on the GPU, a quarter of the free memory on the CPU)")

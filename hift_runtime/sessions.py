@@ -125,8 +125,8 @@ DEFAULT_CUDNN_THREADS = 8
 # 139.4 s (the benchmark's choosing alone took 142 s cold), in half the memory; its full-size streams 110.87-111.74 dB
 # from the CPU's (a 20 s stream 111.35 dB; the benchmark's 110.85 and 111.35), so mode B is fp32's default. In fp16
 # mode B's graphs were 12-20 % slower than the benchmark's (24.5 against 21.3 ms at 256 streams, two machines). In
-# tf32 ("tf32's start under mode B"): its graphs replayed 43.8 against 38.6 ms at 256 streams alone, yet under load
-# the generator's device time per row was the same (0.179-0.198 against 0.173-0.194 ms) and it kept 1 792 streams in
+# tf32 ("tf32's start under mode B"): its graphs replayed 43.8 against 38.4-38.7 ms at 256 streams alone, yet under load
+# the generator's device time per row was the same (0.177-0.198 against 0.170-0.198 ms) and it kept 1 792 streams in
 # both its runs (the benchmark in one thread 1 536 in the same session, 1 792 the last); a start of 123 s cold, 59 s
 # warm against 173 s and 146 s, so mode B is tf32's default too. cuDNN's default, instant heuristic is no choice:
 # fp16's steps 3-5x slower at 64-256.
@@ -134,7 +134,7 @@ CUDNN_ALGORITHMS = ("benchmark", "heuristics")
 DEFAULT_CUDNN_ALGORITHMS = {"fp32": "heuristics", "tf32": "heuristics", "fp16": "benchmark"}
 # Where cuDNN's benchmark was measured to choose as well in DEFAULT_CUDNN_THREADS threads as in one (fp16, replays
 # within 3 %). In fp32 eight threads chose slower algorithms (above); in tf32 (on request) eight chose graphs as fast
-# (39.5 against 38.7 ms at 256 streams) and kept 1 792 streams, but one run each: there it still chooses in one.
+# (39.5 against 38.4 ms at 256 streams) and kept 1 792 streams, but one run each: there it still chooses in one.
 BENCHMARK_IN_THREADS = ("fp16",)
 # Where the compiled engine's stream step is one graph over its window by default (CudaOptions.step_window; on where
 # CUDA graphs are captured). In fp32 it costs no device time (0.564 against 0.570 ms per row of the 24-frame step at
