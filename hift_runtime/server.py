@@ -145,10 +145,10 @@ def _parser() -> argparse.ArgumentParser:
                         "one per 8 GiB of free GPU memory, at most 8, or 1 where cuDNN's benchmark chooses in fp32 "
                         "and tf32; with --processes N, each process that // N)")
     p.add_argument("--cudnn-algorithms", choices=CUDNN_ALGORITHMS, default=None,
-                   help="how cuDNN chooses the compiled engine's convolution algorithms: timed at warmup (benchmark, "
-                        "fp16's default) or by its heuristic mode B (heuristics, fp32's and tf32's default: as fast "
-                        "under load and as exact, a warm start of 81 s against 139 s in fp32, 59 s against 146 s in "
-                        "tf32; in fp16 12-20%% slower)")
+                   help="how cuDNN chooses the compiled engine's convolution algorithms: timed at warmup "
+                        "(benchmark) or by its heuristic mode B (heuristics, the default: as fast under load and as "
+                        "exact, a warm start of 81 s against 139 s in fp32, 59 s against 146 s in tf32, 65-95 s "
+                        "against 104-118 s in fp16)")
     p.add_argument("--max-streams", type=int, default=None,
                    help="open streams at most; a start beyond it is refused with an overload message (default: what "
                         "the device holds: its cache slots on the GPU, a quarter of the free memory on the CPU)")

@@ -100,7 +100,7 @@ class CudaOptions:
     cudnn_threads: int | None = None
     # How cuDNN chooses the compiled engine's convolution algorithms: "benchmark" (timed per shape at warmup) or
     # "heuristics" (its heuristic mode B, nothing timed); None: the precision's default (DEFAULT_CUDNN_ALGORITHMS,
-    # below: mode B in fp32 and tf32, the benchmark in fp16). Ignored by ORT.
+    # below: mode B in every precision). Ignored by ORT.
     cudnn_algorithms: str | None = None
     # Python's GIL switch interval at most this while the compiled engine's warmup runs (the process's own restored
     # after; None: left as it is). Its choosing threads call the eager step, op by op, while the warmup's thread
@@ -123,15 +123,18 @@ DEFAULT_CUDNN_THREADS = 8
 # compiled 24-frame step at 256 streams ran 110.9-111.3 ms on mode B's choices and 111.3-111.7 ms on the benchmark's
 # made in one thread (153.1 ms on those made in eight: BENCHMARK_IN_THREADS); a whole warm start 81.2 s against
 # 139.4 s (the benchmark's choosing alone took 142 s cold), in half the memory; its full-size streams 110.87-111.74 dB
-# from the CPU's (a 20 s stream 111.35 dB; the benchmark's 110.85 and 111.35), so mode B is fp32's default. In fp16
-# mode B's graphs were 12-20 % slower than the benchmark's (24.5 against 21.3 ms at 256 streams, two machines). In
+# from the CPU's (a 20 s stream 111.35 dB; the benchmark's 110.85 and 111.35), so mode B is fp32's default. In
 # tf32 ("tf32's start under mode B"): its graphs replayed 43.8 against 38.4-38.7 ms at 256 streams alone, yet under load
 # the generator's device time per row was the same (0.177-0.198 against 0.170-0.198 ms) and it kept 1 792 streams in
 # both its runs (the benchmark in one thread 1 536 in the same session, 1 792 the last); a start of 123 s cold, 59 s
-# warm against 173 s and 146 s, so mode B is tf32's default too. cuDNN's default, instant heuristic is no choice:
-# fp16's steps 3-5x slower at 64-256.
+# warm against 173 s and 146 s, so mode B is tf32's default too. In fp16 ("fp16's start under mode B") its graphs
+# were 12-20 % slower alone (24.2-24.5 against 21.3 ms at 256 streams), yet under load the device time per row was the
+# same (0.104-0.116 against 0.104-0.138 ms), it kept as many streams in four runs against three (2 560 and 3 072; the
+# benchmark 2 560 once), its warm starts took 65-95 s against 104-118 s, its stream 59.0 dB from the CPU (the
+# benchmark's 59.0): mode B is fp16's default as well. cuDNN's default, instant heuristic is no choice: fp16's steps
+# 3-5x slower at 64-256.
 CUDNN_ALGORITHMS = ("benchmark", "heuristics")
-DEFAULT_CUDNN_ALGORITHMS = {"fp32": "heuristics", "tf32": "heuristics", "fp16": "benchmark"}
+DEFAULT_CUDNN_ALGORITHMS = {"fp32": "heuristics", "tf32": "heuristics", "fp16": "heuristics"}
 # Where cuDNN's benchmark was measured to choose as well in DEFAULT_CUDNN_THREADS threads as in one (fp16, replays
 # within 3 %). In fp32 eight threads chose slower algorithms (above); in tf32 (on request) eight chose graphs as fast
 # (39.5 against 38.4 ms at 256 streams) and kept 1 792 streams, but one run each: there it still chooses in one.
