@@ -77,7 +77,7 @@ def main() -> None:
     p.add_argument("--cache-layout", choices=["channels-first", "channels-last"], default="channels-first",
                    help="how the generator's cache rows lie on the device (CudaOptions.cache_layout)")
     p.add_argument("--slots", type=int, default=None,
-                   help="device cache slots (CudaOptions.slots; the same as a precompile's to load its cache)")
+                   help="device cache slots (CudaOptions.slots)")
     p.add_argument("--cudnn-algorithms", choices=CUDNN_ALGORITHMS, default=None,
                    help="how cuDNN chooses (CudaOptions.cudnn_algorithms; default: the precision's)")
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (eager fp32, no graphs: to try the script)")

@@ -6,9 +6,9 @@ step, each in a process of its own. Not a test: it reports the wall time (compar
     python benchmarks/precompile.py --artifacts DIR --precision tf32 [--slots 3100] [--workers 5] [--out R.json]
 
 The cache key of a compile holds the graph and its inputs' shapes, so every setting that shapes them must be the
-engine's: the precision, the convolution layout, the device cache slots (``--slots``, ``CudaOptions.slots``: the cache
-pool is an input) and the step sizes (the engine's ``STEP_SIZES``). Set ``TORCHINDUCTOR_CACHE_DIR`` the same for this
-and the engine, or leave both at inductor's default.
+engine's: the precision, the convolution layout and the step sizes (the engine's ``STEP_SIZES``). The device cache
+slots (``--slots``, ``CudaOptions.slots``) need not be: the cache pool's rows are dynamic (``slots_cache.py``).
+Set ``TORCHINDUCTOR_CACHE_DIR`` the same for this and the engine, or leave both at inductor's default.
 """
 
 from __future__ import annotations

@@ -426,6 +426,11 @@ class CompiledBackend:
                                                                                              options=options))
             self._compiled["final"] = functools.partial(self._with_source, torch.compile(self._final_rest,
                                                                                          options=options))
+            # The cache pool's rows dynamic too: the compiled graphs read and write it, and with its rows static each
+            # slot count was a graph of its own (on the H200 a warm cache compiled all five anew for 3 100 slots
+            # where it had 2 048: BENCHMARKS.md, "fp16's start under mode B"). Dynamic, inductor's cache serves any
+            # slot count (benchmarks/slots_cache.py).
+            dynamo.maybe_mark_dynamic(self._generator_rows.pool, 0)
         self.compiles_at_warmup: int | None = None
         self.warmup_seconds: dict[str, float] = {}  # "kind:frames x batch" -> seconds of its capture
         self.first_call_seconds: dict[str, float] = {}  # "kind:frames" -> seconds of its compile or its load

@@ -549,6 +549,20 @@ def test_cudnn_chooses_by_the_precisions_default_or_as_asked(compiled_cpu, monke
             assert torch.backends.cudnn.benchmark is benchmark
 
 
+def test_the_compiled_graphs_take_the_cache_pool_at_any_slot_count(compiled_cpu):
+    """The cache pool the compiled graphs read and write has dynamic rows where the engine compiles, so that one
+    compile in inductor's cache serves every slot count (benchmarks/slots_cache.py: on the CPU a process at 64 or
+    2 048 slots loaded the graph compiled at 16; static, each slot count compiled anew). Nothing is marked where the
+    step runs eagerly. (The compile itself is too slow for CI: the benchmark runs it.)"""
+    from hift_runtime.compiled import CompiledBackend
+
+    manifest, constants = compiled_cpu.backend.manifest, compiled_cpu.constants
+    compiling = CompiledBackend(manifest, constants, device="cpu", compile=True, slots=8)
+    assert compiling._generator_rows.pool._dynamo_weak_dynamic_indices == {0}
+    eager = CompiledBackend(manifest, constants, device="cpu", compile=False, slots=8)
+    assert not hasattr(eager._generator_rows.pool, "_dynamo_weak_dynamic_indices")
+
+
 def test_the_step_window_is_fp32s_default_where_cuda_graphs_are_captured(compiled_cpu):
     """CudaOptions.step_window None: the precision's default (on in fp32, off in tf32 and fp16: measured there to
     cost device time per row), and only where CUDA graphs are captured (the CPU runs a graph per step size); an
