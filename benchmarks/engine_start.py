@@ -60,7 +60,18 @@ def stream_vs_offline_db(vocoder, frames: int = 300, chunk: int = 24) -> tuple[f
     return float(10 * np.log10(np.sum(offline[:n] ** 2) / max(error, 1e-30))), n
 
 
+def interval_s(text: str) -> float | None:
+    """``--warmup-switch-interval-ms``: a number of ms, as seconds, or ``off`` (None: the process's own)."""
+    if text == "off":
+        return None
+    try:
+        return float(text) / 1e3
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes a number of ms or off, got {text!r}") from None
+
+
 def main() -> None:
+    from hift_runtime import CudaOptions
     from hift_runtime.sessions import CUDNN_ALGORITHMS
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -74,21 +85,12 @@ def main() -> None:
     p.add_argument("--step-window", choices=["on", "off"], default=None,
                    help="CudaOptions.step_window: the stream step as one graph of the largest step size (default: the "
                         "precision's)")
-    p.add_argument("--warmup-switch-interval-ms", default=None,
+    p.add_argument("--warmup-switch-interval-ms", dest="warmup_switch_interval_s", type=interval_s, metavar="MS",
+                   default=CudaOptions.warmup_switch_interval_s,
                    help="CudaOptions.warmup_switch_interval_s in ms, or off: the process's own, Python's 5 ms "
                         "(default: the engine's, 0.5 ms)")
     p.add_argument("--out", help="a JSON of the results")
     args = p.parse_args()
-    from hift_runtime import CudaOptions
-
-    interval = CudaOptions().warmup_switch_interval_s
-    if args.warmup_switch_interval_ms == "off":
-        interval = None
-    elif args.warmup_switch_interval_ms is not None:
-        try:
-            interval = float(args.warmup_switch_interval_ms) / 1e3
-        except ValueError:
-            p.error(f"--warmup-switch-interval-ms takes a number of ms or off, got {args.warmup_switch_interval_ms!r}")
     started = time.perf_counter()
     lines: list[str] = []  # (kept in the results too: a log cut short by a pipe keeps only its tail)
 
@@ -103,7 +105,7 @@ def main() -> None:
     vocoder = open_vocoder(args.artifacts, device="cuda", engine="compiled", precision=args.precision,
                            cuda=CudaOptions(slots=args.slots, cudnn_threads=args.cudnn_threads,
                                             cudnn_algorithms=args.cudnn_algorithms, step_window=step_window,
-                                            warmup_switch_interval_s=interval))
+                                            warmup_switch_interval_s=args.warmup_switch_interval_s))
     say("opened")
     vocoder.warmup(progress=say)
     backend = vocoder.backend
