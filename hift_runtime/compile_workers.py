@@ -140,8 +140,9 @@ def precompile(backend: Any, step_sizes: tuple[int, ...], say: Callable[[str], N
 def warm_marker(backend: Any, step_sizes: tuple[int, ...]) -> Path:
     """The file whose presence says inductor's cache holds ``backend``'s compiled graphs (written after a warmup):
     in inductor's cache folder (``TORCHINDUCTOR_CACHE_DIR``), named by a hash of what the graphs depend on (torch's
-    version, the device's architecture, the precision, layout, cache slots and step sizes, the model's config and step
-    contract, the code that builds the graphs)."""
+    version, the device's architecture, the precision, layout and step sizes, the model's config and step contract,
+    the code that builds the graphs). Not the cache slots: the graphs take the pool's rows as a dynamic size, so one
+    cache serves every slot count."""
     import torch
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
@@ -154,7 +155,7 @@ def warm_marker(backend: Any, step_sizes: tuple[int, ...]) -> Path:
     arch = torch.cuda.get_device_capability(device) if device.type == "cuda" else "cpu"
     what = {"torch": torch.__version__, "arch": str(arch), "precision": backend.precision,
             "conv_layout": backend.conv_layout, "cache_layout": backend.cache_layout,
-            "slots": backend.cache_slots, "step_sizes": list(step_sizes), "final_window": backend.final_window_frames,
+            "step_sizes": list(step_sizes), "final_window": backend.final_window_frames,
             "step_window": backend.step_window_frames,
             "config": backend.manifest.config, "step": backend.manifest.step, "code": code.hexdigest()}
     key = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:24]
