@@ -3,7 +3,7 @@ stream's bookkeeping, and the scheduler's hand-offs, each timed apart on the sam
 reports figures (issue 20's target for a lone push is 3 ms in tf32 / fp16, 4 ms in fp32).
 
     python benchmarks/lone_push.py --artifacts DIR --precision tf32 [--pushes 200] [--conv-layout channels-last]
-        [--cache-layout channels-last]
+        [--cache-layout channels-last] [--cudnn-algorithms heuristics] [--step-window on]
         [--out R.json]
 
 Only the 24-frame stream step, the final step and the F0 steps at B = 2 (a lone push runs padded to 2) are compiled
@@ -80,6 +80,8 @@ def main() -> None:
                    help="device cache slots (CudaOptions.slots)")
     p.add_argument("--cudnn-algorithms", choices=CUDNN_ALGORITHMS, default=None,
                    help="how cuDNN chooses (CudaOptions.cudnn_algorithms; default: the precision's)")
+    p.add_argument("--step-window", choices=["on", "off"], default=None,
+                   help="the stream step as one graph of 24 frames (CudaOptions.step_window; default: the precision's)")
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (eager fp32, no graphs: to try the script)")
     p.add_argument("--parity-seconds", type=float, default=10.0, help="the parity stream's length (0: none)")
     p.add_argument("--out")
@@ -94,7 +96,8 @@ def main() -> None:
     vocoder = open_vocoder(args.artifacts, device=args.device, engine="compiled", precision=args.precision,
                            max_batch=2, batching=True,
                            cuda=CudaOptions(slots=args.slots or CudaOptions.slots, conv_layout=args.conv_layout,
-                                            cache_layout=args.cache_layout, cudnn_algorithms=args.cudnn_algorithms))
+                                            cache_layout=args.cache_layout, cudnn_algorithms=args.cudnn_algorithms,
+                                            step_window=None if args.step_window is None else args.step_window == "on"))
     backend = vocoder.backend
     backend.warmup((24,), progress=lambda msg: print(msg, flush=True))
     warmup_s = time.perf_counter() - started
@@ -195,7 +198,8 @@ def main() -> None:
                   f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
               "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
               "conv_layout": backend.conv_layout, "cache_layout": backend.cache_layout,
-              "cudnn_algorithms": backend.cudnn_algorithms, "open_and_warmup_s": round(warmup_s, 1), "ms": rows,
+              "cudnn_algorithms": backend.cudnn_algorithms,
+              "step_window_frames": backend.step_window_frames, "open_and_warmup_s": round(warmup_s, 1), "ms": rows,
               "parity_vs_cpu_fp32": parity}
     for name, row in rows.items():
         print(f"{name:24s} p50 {row['p50']:7.3f}  p95 {row['p95']:7.3f}  (n={row['n']})", flush=True)
