@@ -471,6 +471,8 @@ def main() -> None:
     p.add_argument("--final-window", choices=["on", "off"], default=None,
                    help="the compiled engine's final step as one call over its window (CudaOptions.final_window; "
                         "default: the engine's, on with CUDA graphs)")
+    p.add_argument("--call-lanes", type=int, choices=[1, 2], default=1,
+                   help="the compiled engine's batched calls at once (CudaOptions.call_lanes; default 1)")
     p.add_argument("--step-window", choices=["on", "off"], default=None,
                    help="the compiled engine's stream step as one graph over its window (CudaOptions.step_window; "
                         "default: the precision's, on in fp32)")
@@ -583,6 +585,7 @@ def main() -> None:
                     cuda = dataclasses.replace(cuda, final_window=args.final_window == "on")
                 if args.step_window:
                     cuda = dataclasses.replace(cuda, step_window=args.step_window == "on")
+                cuda = dataclasses.replace(cuda, call_lanes=args.call_lanes)
             precision = args.precision if engine == "compiled" else ("tf32" if cuda.use_tf32 else args.precision)
             vocoder = open_vocoder(args.artifacts, device=args.device, cuda=cuda, batching=options[1], engine=engine,
                                    precision=precision, devices=args.gpus)
@@ -626,6 +629,7 @@ def main() -> None:
                                       "short_step_batch_sizes": getattr(backend, "short_step_batch_sizes", None),
                                       "final_window_frames": getattr(backend, "final_window_frames", None),
                                       "step_window_frames": getattr(backend, "step_window_frames", None),
+                                      "call_lanes": getattr(backend, "call_lanes", 1),
                                       "cudnn_algorithms": getattr(backend, "cudnn_algorithms", None),
                                       "cudnn_threads": args.cudnn_threads,
                                       "engine": (f"hift-serve --frontend {args.served_frontend} --engine {args.engine} --precision {args.precision}"

@@ -56,7 +56,7 @@ class BatchStats:
     calls: int = 0
     batches: int = 0
     max_batch: int = 0
-    busy_s: float = 0.0  # time inside the backend's calls (the device's utilisation over a run)
+    busy_s: float = 0.0  # time inside the backend's calls (the device's utilisation over a run; two at once overlap)
     queued: int = 0  # batches started behind another still on the device (no scheduler wake-up between the two)
     by_kind: dict[str, list[float]] = field(default_factory=dict)  # kind -> [calls, batches, busy seconds]
     # The same by step shape, "kind@mel frames" (the step's frames plus its look-ahead): what each step size costs
@@ -154,8 +154,11 @@ class PushScheduler:
         self._cv = threading.Condition()
         self._closing = False
         self._wakers: weakref.WeakKeyDictionary[Any, _LoopWaker] = weakref.WeakKeyDictionary()  # one per loop
-        # The batched calls run here, so the scheduler thread keeps Python work going while the device computes.
-        self._device = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hift-batch-call")
+        # The batched calls run here, so the scheduler thread keeps Python work going while the device computes: in
+        # one thread, or in two over a backend that runs two calls at once (the compiled engine's call_lanes; the
+        # call queued behind then starts beside the one on the device, and the stats' busy times overlap).
+        self._device = concurrent.futures.ThreadPoolExecutor(max_workers=int(getattr(backend, "call_lanes", 1)),
+                                                             thread_name_prefix="hift-batch-call")
         self._ready: list[_Push] = []  # pushes whose next call waits for the device
         self._flights: collections.deque[_Flight] = collections.deque()  # on the device (the first), queued behind
         # Who runs the scheduling: this scheduler's own thread (None), or an event loop (attach_loop) in its thread.

@@ -16,7 +16,8 @@ fused into Triton kernels, cuDNN convolutions), behind the same bookkeeping and 
   stream meets only at its start and end, at fewer batch sizes: ``short_step_batch_sizes``);
   each graph copies its inputs in from pinned host buffers and its audio and phase out to them (one set per step
   shape, shared by its batch sizes: < 100 MB pinned at full size), so a call is the host's writes into the buffers,
-  one replay and one wait.
+  one replay and one wait. With ``call_lanes=2`` every shape is captured twice, each copy with its own buffers, and
+  two calls run at once: one's host part beside the other's replay.
 * **Precision** (:data:`PRECISIONS`): ``fp32`` (TF32 off: parity, the default), ``tf32`` (TF32 convolutions and
   matmuls), ``fp16`` (the convolution trunk in half precision; source, STFT, phase and iSTFT head in float32). The F0
   step always runs in the export's F0 precision (float64 by default).
@@ -35,6 +36,7 @@ import contextlib
 import functools
 import logging
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -58,6 +60,9 @@ DEFAULT_PRECISION = "fp32"
 # B = 1: one compile with a dynamic batch serves B >= 2 (dynamo specialises size 1, which would be a compile more);
 # a lone stream runs padded to 2.
 BATCH_SIZES = (2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
+# Batched calls at once on the captured graphs (CompiledBackend(call_lanes=...)): one, or two (one's host part beside
+# the other's replay; the scheduler has at most two calls in hand).
+CALL_LANES = (1, 2)
 # Each step size is a compile of its own (frame counts are static: with a dynamic frame axis dynamo recompiles at
 # every size threshold of the convolutions anyway), so few: a 24-frame chunk stream meets 24, and 8 + 8 + 4 at its
 # start; every other count splits into these.
@@ -170,6 +175,9 @@ class _Captured:
         # marks on them (then B = 2 compiles static, and the next batch size compiles again).
         self.inputs = list(example)
         self.batch = example[0].shape[0]
+        # A replay runs on the calling thread's current stream of the graph's device (replay() enters that device);
+        # the thread's own current device may be another GPU's, so the waits below name the device.
+        self.device = example[0].device
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # a few runs before capture (inductor's autotuning, cuDNN's plans)
@@ -189,7 +197,19 @@ class _Captured:
         ``values`` of ``rows`` rows each."""
         self.mirrors.write(values, rows, self.batch)
         self.graph.replay()
-        torch.cuda.current_stream().synchronize()
+        torch.cuda.current_stream(self.device).synchronize()
+        return self.collect(rows)
+
+    def launch(self) -> torch.cuda.Event:
+        """Replay over what the buffers hold (written by the caller); the event that this replay's work is done (a
+        wait on it does not wait for work launched after it)."""
+        self.graph.replay()
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        return done
+
+    def collect(self, rows: int) -> list[np.ndarray]:
+        """The first ``rows`` rows of the outputs the last replay wrote, copied (the buffers are the next call's)."""
         return [copy_rows(out, rows) for out in self.mirrors.host_out]
 
 
@@ -315,6 +335,12 @@ class CompiledBackend:
     :data:`CUDNN_ALGORITHMS`; None: the precision's default, :data:`DEFAULT_CUDNN_ALGORITHMS`).
     ``warmup_switch_interval_s``: Python's GIL switch interval at most this while :meth:`warmup` runs, the process's
     own restored after (None: left as it is; :func:`~hift_runtime.process_tuning.switch_interval_at_most`).
+    ``call_lanes``: 2 captures every shape twice, each copy with its own pinned buffers, so that two batched calls
+    run at once (the scheduler's device thread and one more): one's host part (rows written into its buffers, outputs
+    copied out) runs while the other's graph replays, their replays one after the other on the device. Over CUDA
+    graphs only (elsewhere 1). Measured under load on the H200, a call's host part was a quarter to a third of it,
+    and the device waited through it (BENCHMARKS.md, "fp16 on the GPU at another slot count"); 1, the default: one
+    call at a time.
     """
 
     caches_in_place = True
@@ -330,7 +356,7 @@ class CompiledBackend:
                  short_step_batch_sizes: tuple[int, ...] | None = None, final_window: bool | None = None,
                  step_window: bool | None = None, cudnn_threads: int | None = None,
                  cudnn_algorithms: str | None = None,
-                 warmup_switch_interval_s: float | None = HANDOFF_SWITCH_INTERVAL_S) -> None:
+                 warmup_switch_interval_s: float | None = HANDOFF_SWITCH_INTERVAL_S, call_lanes: int = 1) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         conv_layout = DEFAULT_CONV_LAYOUT[precision] if conv_layout is None else conv_layout
@@ -345,6 +371,9 @@ class CompiledBackend:
         if warmup_switch_interval_s is not None and not warmup_switch_interval_s > 0:
             raise ValueError(f"warmup_switch_interval_s must be a positive number of seconds (or None: the process's "
                              f"own), got {warmup_switch_interval_s!r}")
+        if call_lanes not in CALL_LANES:
+            raise ValueError(f"call_lanes must be one of {CALL_LANES} (calls at once on the device's captured graphs), "
+                             f"got {call_lanes!r}")
         cudnn_algorithms = DEFAULT_CUDNN_ALGORITHMS[precision] if cudnn_algorithms is None else cudnn_algorithms
         if cudnn_algorithms not in CUDNN_ALGORITHMS:
             raise ValueError(f"cudnn_algorithms must be one of {CUDNN_ALGORITHMS} (or None: the precision's default), "
@@ -371,6 +400,7 @@ class CompiledBackend:
         # A call is a graph replay and its wait (0.2-2 ms): short enough for a quiet lone push's calls to be made in
         # the scheduling thread (PushScheduler.inline_lone_calls); an eager call on the CPU is not.
         self.inline_lone_calls_by_default = self.cuda_graphs
+        self.call_lanes = call_lanes if self.cuda_graphs else 1  # (eager calls take the lock: one at a time)
         self.step_sizes = step_sizes if self.on_cuda else None
         # The final step's window (streaming.py: a stream's last push is then two calls): the largest step plus the
         # look-ahead, so any remainder is steps of the largest size and one final call.
@@ -406,9 +436,16 @@ class CompiledBackend:
         # stream, read and emptied by the one calling the device; a set's add and discard are atomic.)
         self._f0_fresh: set[int] = set()
         self._table: torch.Tensor | None = None
-        self._lock = threading.Lock()  # one call on the device at a time (CUDA graphs share buffers)
+        # One eager call, or one replay's launch, at a time (a replay's wait outside it where there are two lanes).
+        self._lock = threading.Lock()
         self._graphs: dict[tuple[str, int, int], _Captured] = {}
-        self._mirrors: dict[tuple[str, int], _Mirrors] = {}  # each step shape's pinned host buffers
+        # Lane k's captured graphs (lane 0's are _graphs), each lane with its own pinned buffers; the free lanes.
+        self._lane_graphs: list[dict[tuple[str, int, int], _Captured]] = [self._graphs] + [
+            {} for _ in range(self.call_lanes - 1)]
+        self._free_lanes: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for lane in range(self.call_lanes):
+            self._free_lanes.put(lane)
+        self._mirrors: dict[tuple[str, int, int], _Mirrors] = {}  # (kind, frames, lane) -> its pinned host buffers
         self._graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         # Compiled forms are called only at warmup, on the shapes it captures; every other shape (a final step
         # shorter than the look-ahead, an offline pass) runs the same code eagerly: nothing compiles after warmup.
@@ -555,14 +592,14 @@ class CompiledBackend:
         rows = mel.shape[0]
         fresh = self._f0_fresh
         values = [mel, np.array([[s.index in fresh] for s in slots]), np.array([s.index for s in slots], np.int64)]
-        with self._lock, self._precision():
-            size = mel.shape[2] - self.constants.f0_look_ahead
-            graph = self._graphs.get(("f0", size, self._batch(rows, "f0", size)))
-            if graph is not None:
-                out = graph.run(values, rows)
-            else:
+        size = mel.shape[2] - self.constants.f0_look_ahead
+        key = ("f0", size, self._batch(rows, "f0", size))
+        if key in self._graphs:
+            out = self._replay(key, values, rows)
+        else:
+            with self._lock, self._precision():
                 out = [t.cpu().numpy() for t in self._f0(*(torch.from_numpy(v).to(self.device) for v in values))]
-            fresh.difference_update(s.index for s in slots)  # written now
+        fresh.difference_update(s.index for s in slots)  # written now
         return out[0], caches  # the next caches are in the same slots
 
     def generator_step(self, mel: np.ndarray, f0: np.ndarray, noise: np.ndarray, phase_in: np.ndarray,
@@ -578,16 +615,37 @@ class CompiledBackend:
         if frames is not None:  # a step in a window: each row's frames
             values.append(frames.reshape(rows).astype(np.int64, copy=False))
         size = f0.shape[1] - (0 if final else self.constants.source_look_ahead)
-        with self._lock, self._precision():
-            kind = "final" if final else "generator"
-            graph = self._graphs.get((kind, size, self._batch(rows, kind, size)))
-            if graph is not None:
-                audio, phase = graph.run(values, rows)
-            else:
+        kind = "final" if final else "generator"
+        key = (kind, size, self._batch(rows, kind, size))
+        if key in self._graphs:
+            audio, phase = self._replay(key, values, rows)
+        else:
+            with self._lock, self._precision():
                 fn = self._final if final else self._step
                 audio, phase = (t.cpu().numpy() for t in fn(*(torch.from_numpy(np.ascontiguousarray(v)).to(self.device)
                                                                for v in values)))
         return audio, phase, (None if final else caches)  # the next caches are in the same slots
+
+    def _replay(self, key: tuple[str, int, int], values: list[np.ndarray], rows: int) -> list[np.ndarray]:
+        """A call of a captured shape: its graph's outputs' first ``rows`` rows for ``values``. With one lane, the
+        whole call under the lock. With two (:attr:`call_lanes`), a free lane's buffers are written outside the lock,
+        only the replay's launch is made under it, and the wait is for this replay alone: the other lane's call
+        writes its buffers, or copies its outputs out, while this one runs on the device. (The two calls' streams are
+        different streams, so no cache row is read by one and written by the other; both may pad on the scratch
+        row.)"""
+        if self.call_lanes == 1:
+            with self._lock:
+                return self._graphs[key].run(values, rows)
+        lane = self._free_lanes.get()
+        try:
+            graph = self._lane_graphs[lane][key]
+            graph.mirrors.write(values, rows, graph.batch)
+            with self._lock:
+                done = graph.launch()
+            done.synchronize()
+            return graph.collect(rows)
+        finally:
+            self._free_lanes.put(lane)
 
     # ---- warmup: compile and capture every shape a stream meets ------------------------------------------------------
     def warmup(self, step_sizes: tuple[int, ...] | None, progress: Callable[[str], None] | None = None) -> None:
@@ -643,9 +701,11 @@ class CompiledBackend:
                 shape_started = time.perf_counter()
                 fn = self._compiled[kind]
                 if self.cuda_graphs:
-                    self._graphs[(kind, size, batch)] = threads.run((kind, size, batch), lambda: _Captured(
-                        fn, self._example(kind, size, batch), self._graph_pool,
-                        functools.partial(self._mirrors_of, kind, size)))
+                    for lane in reversed(range(self.call_lanes)):  # lane 0's last: its presence says "captured"
+                        self._lane_graphs[lane][(kind, size, batch)] = threads.run(
+                            (kind, size, batch), lambda lane=lane: _Captured(
+                                fn, self._example(kind, size, batch), self._graph_pool,
+                                functools.partial(self._mirrors_of, kind, size, lane)))
                 else:
                     threads.run((kind, size, batch), lambda: fn(*self._example(kind, size, batch)))
                 self.warmup_seconds[f"{kind}:{size}x{batch}"] = round(time.perf_counter() - shape_started, 3)
@@ -744,12 +804,13 @@ class CompiledBackend:
             _mark_batch_dynamic(example)
         return example
 
-    def _mirrors_of(self, kind: str, size: int, inputs: list[torch.Tensor], outputs: tuple[torch.Tensor, ...]
-                    ) -> _Mirrors:
-        """The host buffers shared by the graphs of one step shape (made for the largest batch at its first capture)."""
-        if (kind, size) not in self._mirrors:
-            self._mirrors[(kind, size)] = _Mirrors(inputs, outputs, max(self.batch_sizes))
-        return self._mirrors[(kind, size)]
+    def _mirrors_of(self, kind: str, size: int, lane: int, inputs: list[torch.Tensor],
+                    outputs: tuple[torch.Tensor, ...]) -> _Mirrors:
+        """The host buffers shared by one lane's graphs of one step shape (made for the largest batch at its first
+        capture)."""
+        if (kind, size, lane) not in self._mirrors:
+            self._mirrors[(kind, size, lane)] = _Mirrors(inputs, outputs, max(self.batch_sizes))
+        return self._mirrors[(kind, size, lane)]
 
     def _zeros(self, kind: str, size: int, batch: int) -> list[torch.Tensor]:
         """Inputs of a step of ``size`` frames for ``batch`` streams at the utterance start, every row on scratch."""

@@ -107,6 +107,10 @@ class CudaOptions:
     # traces the graphs in pure Python; under Python's default 5 ms a small op took 5.6-8.4 ms beside it, under 0.5 ms
     # 0.73-0.75 ms (benchmarks/gil_handoffs.py, its torch op beside a busy thread, 2 cores). Ignored by ORT.
     warmup_switch_interval_s: float | None = HANDOFF_SWITCH_INTERVAL_S
+    # The compiled engine's batched calls at once over its CUDA graphs: 1 (the default), or 2: every shape captured
+    # twice with its own pinned buffers, so one call's host part (its rows written in, its outputs copied out) runs
+    # while the other's graph replays (hift_runtime.compiled.CompiledBackend). Not yet measured. Ignored by ORT.
+    call_lanes: int = 1
 
     def provider_options(self) -> dict[str, str]:
         return {"device_id": str(self.device_id), "use_tf32": "1" if self.use_tf32 else "0",
@@ -779,4 +783,4 @@ def _compiled_backend(manifest: Manifest, constants: StreamConstants, device: st
                            short_step_batch_sizes=cuda.short_step_batch_sizes, final_window=cuda.final_window,
                            step_window=cuda.step_window, cudnn_threads=cuda.cudnn_threads,
                            cudnn_algorithms=cuda.cudnn_algorithms,
-                           warmup_switch_interval_s=cuda.warmup_switch_interval_s)
+                           warmup_switch_interval_s=cuda.warmup_switch_interval_s, call_lanes=cuda.call_lanes)

@@ -94,6 +94,92 @@ def test_batched_streams_equal_the_ort_engine_alone(small_artifacts, ort_cpu):
     batched.close()
 
 
+def test_two_call_lanes_stream_as_one_through_two_device_threads(small_artifacts, ort_cpu):
+    """A backend of two call lanes gets a scheduler with two device threads (the call queued behind one on the device
+    starts beside it); concurrent streams stay equal to the ORT engine's, the calls land in order, every slot comes
+    back. (On the CPU the engine's calls are eager and take its lock in turn: the scheduler's side is what runs.)"""
+    from hift_runtime.batching import PushScheduler
+
+    batched = open_vocoder(small_artifacts.out, device="cpu", engine="compiled", batching=True, max_wait_ms=5)
+    batched.scheduler.close()
+    batched.backend.call_lanes = 2  # as over CUDA graphs with CudaOptions(call_lanes=2)
+    batched.scheduler = PushScheduler(batched.backend, max_batch=2, max_wait_s=0.005,
+                                      pushes_in_progress=lambda: batched.pushes_in_progress)
+    assert batched.scheduler._device._max_workers == 2
+    rng = np.random.default_rng(19)
+    mels = [random_mel(int(rng.integers(10, 120)), seed=60 + i) for i in range(8)]
+    schedules = [[int(x) for x in rng.integers(0, 30, 8)] + [500] for _ in range(8)]
+    got = run_in_threads(lambda i: streamed(batched, mels[i], schedules[i]), range(8))
+    for i in range(8):
+        assert max_abs(got[i], streamed(ort_cpu, mels[i], schedules[i])) <= TOLERANCE, i
+    assert batched.scheduler.stats.queued > 0  # calls were started behind others
+    assert batched.backend.slots_in_use == 0
+    batched.close()
+
+
+def test_two_call_lanes_replay_side_by_side_each_in_its_own_buffers(small_artifacts):
+    """CompiledBackend(call_lanes=2)'s captured calls, over stand-in graphs (CUDA graphs need a GPU): two calls at once
+    each take a lane of their own (the second starts while the first waits for its replay: the two waits meet at a
+    barrier, which a call holding the lock through its wait would break), each gets its own rows back, and both lanes
+    are free after."""
+    import threading
+    from types import SimpleNamespace
+
+    from hift_runtime.compiled import CompiledBackend
+    from hift_runtime.manifest import read_manifest
+    from hift_runtime.noise import NoiseTable
+    from hift_runtime.streaming import StreamConstants
+
+    manifest = read_manifest(small_artifacts.out)
+    c = StreamConstants.from_manifest(manifest.config, manifest.step)
+    with pytest.raises(ValueError, match="call_lanes must be one of"):
+        CompiledBackend(manifest, c, device="cpu", compile=False, call_lanes=3)
+    backend = CompiledBackend(manifest, c, device="cpu", compile=False, slots=4, call_lanes=2)
+    assert backend.call_lanes == 1  # no CUDA graphs: eager calls, one at a time
+    backend.use_noise_table(NoiseTable.seeded(0, 4 * 24 * c.samples_per_frame, c.num_sines))
+    both_waiting = threading.Barrier(2, timeout=20)
+
+    class Replayed:
+        def synchronize(self) -> None:  # each call waits for its replay while the other has launched its own
+            both_waiting.wait()
+
+    class StandInGraph:
+        batch = 2
+
+        def __init__(self, lane: int) -> None:
+            self.lane, self.mirrors = lane, SimpleNamespace(write=self.write)
+
+        def write(self, values, rows, batch):
+            self.held = values[0].copy()  # this lane's buffers
+
+        def launch(self):
+            return Replayed()
+
+        def collect(self, rows):
+            return [self.held[:rows], np.full((rows, 1), self.lane)]
+
+    size = 8
+    key = ("generator", size, 2)
+    backend.call_lanes = 2  # as over CUDA graphs
+    backend._lane_graphs = [backend._graphs, {}]
+    for lane in (0, 1):
+        backend._lane_graphs[lane][key] = StandInGraph(lane)
+    backend._free_lanes.put(1)  # (lane 0 is free from the start)
+    rows = 2
+    slots = [SimpleNamespace(index=1), SimpleNamespace(index=2)]
+
+    def call(seed: int):
+        mel = np.full((rows, c.in_channels, size + c.mel_look_ahead), float(seed), np.float32)
+        f0 = np.zeros((rows, size + c.source_look_ahead), np.float32)
+        return backend.generator_step(mel, f0, np.zeros(rows, np.int64), np.zeros((rows, c.num_sines)),
+                                      np.zeros((rows, 1), bool), slots, False)
+
+    results = run_in_threads(call, [10, 20])
+    assert [float(audio[0, 0, 0]) for audio, _, _ in results] == [10.0, 20.0]  # each call's own rows
+    assert sorted(int(phase[0, 0]) for _, phase, _ in results) == [0, 1]  # one lane each
+    assert sorted(backend._free_lanes.get_nowait() for _ in range(2)) == [0, 1] and backend._free_lanes.empty()
+
+
 @pytest.mark.parametrize("final, window, ends", [(True, 28, [1, 13, 28]), (False, 24, [1, 7, 20, 24])])
 def test_a_step_in_a_window_equals_the_step_of_each_rows_frames(reduced_config, final, window, ends):
     """``hift_export.step.generator_step(..., frames=...)``: rows ending at ``ends`` frames of one window (zeros past

@@ -404,6 +404,38 @@ def test_a_start_at_another_slot_count_loads_its_graphs_from_the_cache(small_art
         other.close()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not _torch_cuda(), reason="no CUDA device for torch here")
+def test_two_call_lanes_stream_as_one_lane_does(small_artifacts, compiled_gpu):
+    """CudaOptions(call_lanes=2): every shape captured twice, two batched calls at once (one's host part beside the
+    other's replay). 32 concurrent streams each equal the one-lane engine's stream of the same schedule, nothing is
+    compiled after warmup, both lanes are free and every slot is returned."""
+    from hift_runtime.compiled import compile_count
+
+    two = open_vocoder(small_artifacts.out, device="cuda", engine="compiled", max_wait_ms=5,
+                       cuda=CudaOptions(call_lanes=2))
+    try:
+        two.warmup()
+        assert two.backend.call_lanes == 2 and two.scheduler._device._max_workers == 2
+        assert two.backend._lane_graphs[1].keys() == two.backend._graphs.keys()
+        rng = np.random.default_rng(66)
+        mels = [random_mel(int(rng.integers(10, 160)), seed=200 + i) for i in range(32)]
+        schedules = [[int(x) for x in rng.integers(0, 40, 8)] + [500] for _ in range(32)]
+        got = run_in_threads(lambda i: np.concatenate(stream_all(two, mels[i], schedules[i])[0]), range(32))
+        for i in range(32):
+            want = np.concatenate(stream_all(compiled_gpu, mels[i], schedules[i])[0])
+            assert max_abs(got[i], want) <= 2e-6, i
+        assert two.scheduler.stats.max_batch > 1
+        assert compile_count() == two.backend.compiles_at_warmup
+        assert two.backend._free_lanes.qsize() == 2
+        import gc
+
+        gc.collect()
+        assert two.backend.slots_in_use == 0
+    finally:
+        two.close()
+
+
 def _fp32_opt_ins_against_the_cpu(artifacts: str) -> list[tuple[float, float]]:
     """In a process of its own (:func:`test_compiled_fp32_on_cudnn_s_benchmark_and_each_step_size_matches_the_cpu_ep`):
     the compiled fp32 engine on fp32's opt-ins (cuDNN's benchmark, a graph per step size) and the CPU EP over the same
