@@ -630,8 +630,8 @@ class CompiledBackend:
         """A call of a captured shape: its graph's outputs' first ``rows`` rows for ``values``. With one lane, the
         whole call under the lock. With two (:attr:`call_lanes`), a free lane's buffers are written outside the lock,
         only the replay's launch is made under it, and the wait is for this replay alone: the other lane's call
-        writes its buffers, or copies its outputs out, while this one runs on the device. (The two calls' streams are
-        different streams, so no cache row is read by one and written by the other; both may pad on the scratch
+        writes its buffers, or copies its outputs out, while this one runs on the device. (A vocoder stream is in one
+        call at a time, so no cache row is read by one call and written by the other; both may pad on the scratch
         row.)"""
         if self.call_lanes == 1:
             with self._lock:
