@@ -33,7 +33,7 @@ from .manifest import ArtifactError
 from .noise import NoiseTableError
 from .process_tuning import HANDOFF_SWITCH_INTERVAL_S, keep_freed_memory, tune_garbage_collector
 from .serving import MAX_CHUNK_FRAMES, ChunkReply, ChunkRequest, StreamTable
-from .sessions import CUDNN_ALGORITHMS, nvidia_driver_present
+from .sessions import CUDNN_ALGORITHMS, CudaOptions, nvidia_driver_present
 from .streaming import StreamingVocoder
 
 
@@ -149,6 +149,11 @@ def _parser() -> argparse.ArgumentParser:
                         "(benchmark) or by its heuristic mode B (heuristics, the default: as fast under load and as "
                         "exact, a warm start of 81 s against 139 s in fp32, 59 s against 146 s in tf32, 65-95 s "
                         "against 104-118 s in fp16)")
+    p.add_argument("--step-window", choices=["on", "off"], default=None,
+                   help="the compiled engine's stream step as one graph of 24 frames for every step (default: the "
+                        "precision's: on in fp32, off in tf32 and fp16). On, fewer graphs are compiled and loaded: "
+                        "fp16 on an H200 started in 144 s cold and 52 s warm against 208-247 s and 65-95 s, its step "
+                        "~12 %% more device time per stream near capacity (BENCHMARKS.md)")
     p.add_argument("--max-streams", type=int, default=None,
                    help="open streams at most; a start beyond it is refused with an overload message (default: what "
                         "the device holds: its cache slots on the GPU, a quarter of the free memory on the CPU)")
@@ -177,10 +182,16 @@ def busy_port(host: str, ports: dict[str, int]) -> str | None:
     return None
 
 
-def open_table(args: argparse.Namespace) -> tuple[StreamingVocoder, StreamTable]:
-    from .sessions import CudaOptions, open_vocoder
+def cuda_options(args: argparse.Namespace) -> CudaOptions:
+    """The engine's :class:`~hift_runtime.sessions.CudaOptions` from hift-serve's options."""
+    return CudaOptions(cudnn_threads=args.cudnn_threads, cudnn_algorithms=args.cudnn_algorithms,
+                       step_window=None if args.step_window is None else args.step_window == "on")
 
-    cuda = CudaOptions(cudnn_threads=args.cudnn_threads, cudnn_algorithms=args.cudnn_algorithms)
+
+def open_table(args: argparse.Namespace) -> tuple[StreamingVocoder, StreamTable]:
+    from .sessions import open_vocoder
+
+    cuda = cuda_options(args)
     vocoder = open_vocoder(args.artifacts, device=args.device, cuda=cuda, noise_seed=args.noise_seed, phase=args.phase,
                            batching=True, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
                            max_streams=args.max_streams, idle_timeout_s=args.idle_timeout_s, engine=args.engine,

@@ -616,6 +616,14 @@ def test_each_of_several_processes_gets_its_own_ports_stream_share_and_log():
     assert len(ports) == 12 and ports["--grpc-port + 20 (process 2)"] == 8021 and ports["--http-port"] == 8000
 
 
+def test_step_window_option_reaches_the_engine_s_options():
+    """``--step-window on|off`` sets CudaOptions.step_window; left out, the precision's default decides (None)."""
+    from hift_runtime.server import _parser, cuda_options
+
+    for given, want in (([], None), (["--step-window", "on"], True), (["--step-window", "off"], False)):
+        assert cuda_options(_parser().parse_args(["--artifacts", "a", *given])).step_window is want
+
+
 def test_several_processes_stop_together_when_one_cannot_start(tmp_path):
     """``--processes 2`` over a missing export: each process says why in one line, the supervisor says which
     stopped first and returns its status."""
