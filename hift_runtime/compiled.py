@@ -338,8 +338,8 @@ class CompiledBackend:
     ``call_lanes``: 2 captures every shape twice, each copy with its own pinned buffers, so that two batched calls
     run at once (the scheduler's device thread and one more): one's host part (rows written into its buffers, outputs
     copied out) runs while the other's graph replays, their replays one after the other on the device. Over CUDA
-    graphs only (elsewhere 1). Measured under load on the H200, a call's host part was a quarter to a third of it,
-    and the device waited through it (BENCHMARKS.md, "fp16 on the GPU at another slot count"); 1, the default: one
+    graphs only (elsewhere 1). Measured under load on the H200, a call's host part was 26-32 % of it (fp16), and
+    the device waited through it (BENCHMARKS.md, "fp16 on the GPU at another slot count"); 1, the default: one
     call at a time.
     """
 
