@@ -33,7 +33,7 @@ from .manifest import ArtifactError
 from .noise import NoiseTableError
 from .process_tuning import HANDOFF_SWITCH_INTERVAL_S, keep_freed_memory, tune_garbage_collector
 from .serving import MAX_CHUNK_FRAMES, ChunkReply, ChunkRequest, StreamTable
-from .sessions import CUDNN_ALGORITHMS, CudaOptions, nvidia_driver_present
+from .sessions import CUDNN_ALGORITHMS, DEFAULT_STEP_WINDOW, CudaOptions, nvidia_driver_present
 from .streaming import StreamingVocoder
 
 
@@ -151,7 +151,9 @@ def _parser() -> argparse.ArgumentParser:
                         "against 104-118 s in fp16)")
     p.add_argument("--step-window", choices=["on", "off"], default=None,
                    help="the compiled engine's stream step as one graph of 24 frames for every step (default: the "
-                        "precision's: on in fp32, off in tf32 and fp16). On, fewer graphs are compiled and loaded: "
+                        f"precision's: on in {', '.join(p for p, on in DEFAULT_STEP_WINDOW.items() if on)}, off in "
+                        f"{', '.join(p for p, on in DEFAULT_STEP_WINDOW.items() if not on)}). On, fewer graphs are "
+                        "compiled and loaded: "
                         "fp16 on an H200 started in 144 s cold and 52 s warm against 208-247 s and 65-95 s, its step "
                         "~12 %% more device time per stream near capacity (BENCHMARKS.md)")
     p.add_argument("--max-streams", type=int, default=None,
