@@ -85,6 +85,8 @@ def main() -> None:
     p.add_argument("--step-window", choices=["on", "off"], default=None,
                    help="CudaOptions.step_window: the stream step as one graph of the largest step size (default: the "
                         "precision's)")
+    p.add_argument("--call-lanes", type=int, choices=[1, 2], default=1,
+                   help="CudaOptions.call_lanes: every shape captured once per lane (default 1)")
     p.add_argument("--warmup-switch-interval-ms", dest="warmup_switch_interval_s", type=interval_s, metavar="MS",
                    default=CudaOptions.warmup_switch_interval_s,
                    help="CudaOptions.warmup_switch_interval_s in ms, or off: the process's own, Python's 5 ms "
@@ -105,6 +107,7 @@ def main() -> None:
     vocoder = open_vocoder(args.artifacts, device="cuda", engine="compiled", precision=args.precision,
                            cuda=CudaOptions(slots=args.slots, cudnn_threads=args.cudnn_threads,
                                             cudnn_algorithms=args.cudnn_algorithms, step_window=step_window,
+                                            call_lanes=args.call_lanes,
                                             warmup_switch_interval_s=args.warmup_switch_interval_s))
     say("opened")
     vocoder.warmup(progress=say)
@@ -112,7 +115,7 @@ def main() -> None:
     result: dict = {"when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                     "command": "python benchmarks/engine_start.py " + " ".join(sys.argv[1:]),
                     "cudnn_threads": args.cudnn_threads, "cudnn_algorithms": backend.cudnn_algorithms,
-                    "step_window": backend.step_window_frames,
+                    "step_window": backend.step_window_frames, "call_lanes": backend.call_lanes,
                     "warmup_switch_interval_s": backend.warmup_switch_interval_s,
                     "open_and_warmup_s": round(time.perf_counter() - started, 1),
                     "first_call_seconds": backend.first_call_seconds, "warmup_seconds": backend.warmup_seconds}
