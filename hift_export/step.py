@@ -221,6 +221,9 @@ def generator_step(gen: CausalHiFTGenerator, mel: torch.Tensor, f0: torch.Tensor
     spf = cfg.samples_per_frame
     short = shift = None  # a stream step in a window: each row's frames short of the window's, [B, 1, 1]; samples
     if frames is not None and not final:
+        # (a CUDA graph's padding rows carry frames 0: clamped, their gathers stay inside the tensors, where an index
+        # out of bounds is undefined on a GPU; a real row's frames are already in [1, c])
+        frames = frames.clamp(1, mel.shape[-1] - cfg.conv_pre_look_right)
         short = (mel.shape[-1] - cfg.conv_pre_look_right - frames).reshape(-1, 1, 1)
         shift = short * spf
         phase_out = torch.gather(cum, 1, (frames - 1).reshape(-1, 1, 1).expand(-1, 1, cum.shape[-1]))[:, 0]

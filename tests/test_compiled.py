@@ -905,3 +905,35 @@ def test_only_quiet_lone_pushes_are_inlined(small_artifacts):
         assert with_default.inline_lone_calls
     finally:
         with_default.close()
+
+
+@pytest.mark.parametrize("final", [False, True])
+def test_a_padding_row_of_a_window_stays_in_bounds(reduced_config, final):
+    """A CUDA graph's padding rows are zeros, their frames 0 among them: the step in a window still indexes inside its
+    tensors there (on the GPU an index out of bounds is undefined: garbage or a fault; eager CUDA graphs on an H200
+    hit ATen's device assert), and the real rows are the same as beside a full row."""
+    import torch
+
+    from hift_export import load_hift
+    from hift_export.step import generator_cache_layout, generator_step
+
+    gen = load_hift(None, config=reduced_config, spectral="conv").generator
+    spf, sines = reduced_config.samples_per_frame, reduced_config.num_sines
+    window = 28 if final else 24
+    look, ahead = (0, 0) if final else (reduced_config.conv_pre_look_right, 1)
+    torch.manual_seed(1)
+    mel = torch.randn(2, reduced_config.in_channels, window + look) - 4
+    mel[0] = 0
+    f0 = torch.rand(2, window + ahead) * 300
+    f0[0] = 0
+    noise = torch.randn(2, (window + ahead) * spf, sines)
+    phase = torch.zeros(2, sines, dtype=torch.float64)
+    caches = {e["name"]: torch.randn(2, *e["shape"]) for e in generator_cache_layout(reduced_config)}
+    caches = {k: torch.where(torch.arange(2).reshape(-1, *[1] * (v.dim() - 1)) == 0, 0.0, v) for k, v in caches.items()}
+    flags = torch.zeros((2, 1), dtype=torch.bool)
+    with torch.no_grad():
+        padded = generator_step(gen, mel, f0, noise, phase, flags, caches, final, frames=torch.tensor([0, 7]))
+        beside_full = generator_step(gen, mel, f0, noise, phase, flags, caches, final, frames=torch.tensor([window, 7]))
+    samples = (8 if final else 7) * spf
+    assert torch.equal(padded[0][1, :samples], beside_full[0][1, :samples])
+    assert bool(torch.isfinite(padded[0]).all())
