@@ -49,8 +49,8 @@ from .arrays import byte_view, copy_rows
 from .manifest import FOLDED_WEIGHTS, ArtifactError, Manifest
 from .noise import NoiseTable
 from .process_tuning import HANDOFF_SWITCH_INTERVAL_S, switch_interval_at_most
-from .sessions import (CUDNN_ALGORITHMS, DEFAULT_CUDNN_ALGORITHMS, DEFAULT_CUDNN_THREADS, DEFAULT_STEP_WINDOW,
-                       OFFLINE_SLOTS, PRECISIONS, cudnn_threads_at_most)
+from .sessions import (CALL_LANES, CUDNN_ALGORITHMS, DEFAULT_CUDNN_ALGORITHMS, DEFAULT_CUDNN_THREADS,
+                       DEFAULT_STEP_WINDOW, OFFLINE_SLOTS, PRECISIONS, cudnn_threads_at_most)
 from .slots import SlotRows
 from .streaming import StreamConstants
 
@@ -60,9 +60,6 @@ DEFAULT_PRECISION = "fp32"
 # B = 1: one compile with a dynamic batch serves B >= 2 (dynamo specialises size 1, which would be a compile more);
 # a lone stream runs padded to 2.
 BATCH_SIZES = (2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
-# Batched calls at once on the captured graphs (CompiledBackend(call_lanes=...)): one, or two (one's host part beside
-# the other's replay; the scheduler has at most two calls in hand).
-CALL_LANES = (1, 2)
 # Each step size is a compile of its own (frame counts are static: with a dynamic frame axis dynamo recompiles at
 # every size threshold of the convolutions anyway), so few: a 24-frame chunk stream meets 24, and 8 + 8 + 4 at its
 # start; every other count splits into these.
@@ -196,8 +193,7 @@ class _Captured:
         """The first ``rows`` rows of the outputs (copies, made under the GIL: the buffers are the next call's) for
         ``values`` of ``rows`` rows each."""
         self.mirrors.write(values, rows, self.batch)
-        self.graph.replay()
-        torch.cuda.current_stream(self.device).synchronize()
+        self.launch().synchronize()
         return self.collect(rows)
 
     def launch(self) -> torch.cuda.Event:
@@ -339,8 +335,10 @@ class CompiledBackend:
     run at once (the scheduler's device thread and one more): one's host part (rows written into its buffers, outputs
     copied out) runs while the other's graph replays, their replays one after the other on the device. Over CUDA
     graphs only (elsewhere 1). Measured under load on the H200, a call's host part was 26-32 % of it (fp16), and
-    the device waited through it (BENCHMARKS.md, "fp16 on the GPU at another slot count"); 1, the default: one
-    call at a time.
+    the device waited through it (BENCHMARKS.md, "fp16 on the GPU at another slot count"). With two lanes fp16 kept
+    3 328 streams in 2 of 3 runs (one lane: 3 072 in 2 of 2, 3 328 in none), at ~1.7 GB more device memory, 3-4 s
+    more captures and a higher p95 below capacity (BENCHMARKS.md, "Two call lanes"); 1, the default: one call at a
+    time.
     """
 
     caches_in_place = True

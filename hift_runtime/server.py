@@ -33,7 +33,7 @@ from .manifest import ArtifactError
 from .noise import NoiseTableError
 from .process_tuning import HANDOFF_SWITCH_INTERVAL_S, keep_freed_memory, tune_garbage_collector
 from .serving import MAX_CHUNK_FRAMES, ChunkReply, ChunkRequest, StreamTable
-from .sessions import CUDNN_ALGORITHMS, DEFAULT_STEP_WINDOW, CudaOptions, nvidia_driver_present
+from .sessions import CALL_LANES, CUDNN_ALGORITHMS, DEFAULT_STEP_WINDOW, CudaOptions, nvidia_driver_present
 from .streaming import StreamingVocoder
 
 
@@ -156,6 +156,11 @@ def _parser() -> argparse.ArgumentParser:
                         "compiled and loaded: "
                         "fp16 on an H200 started in 144 s cold and 52 s warm against 208-247 s and 65-95 s, its step "
                         "~12 %% more device time per stream near capacity (BENCHMARKS.md)")
+    p.add_argument("--call-lanes", type=int, choices=CALL_LANES, default=1,
+                   help="the compiled engine's batched calls at once over its CUDA graphs (default 1; 2: every shape "
+                        "captured twice, one call's host part beside the other's replay, ~1.7 GB more GPU memory in "
+                        "fp16). fp16 on an H200 kept 3 328 streams in 2 of 3 runs with 2 where 1 lane kept 3 072 in 2 "
+                        "of 2, its p95 higher below capacity (BENCHMARKS.md)")
     p.add_argument("--max-streams", type=int, default=None,
                    help="open streams at most; a start beyond it is refused with an overload message (default: what "
                         "the device holds: its cache slots on the GPU, a quarter of the free memory on the CPU)")
@@ -187,7 +192,8 @@ def busy_port(host: str, ports: dict[str, int]) -> str | None:
 def cuda_options(args: argparse.Namespace) -> CudaOptions:
     """The engine's :class:`~hift_runtime.sessions.CudaOptions` from hift-serve's options."""
     return CudaOptions(cudnn_threads=args.cudnn_threads, cudnn_algorithms=args.cudnn_algorithms,
-                       step_window=None if args.step_window is None else args.step_window == "on")
+                       step_window=None if args.step_window is None else args.step_window == "on",
+                       call_lanes=args.call_lanes)
 
 
 def open_table(args: argparse.Namespace) -> tuple[StreamingVocoder, StreamTable]:

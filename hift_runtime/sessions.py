@@ -109,7 +109,9 @@ class CudaOptions:
     warmup_switch_interval_s: float | None = HANDOFF_SWITCH_INTERVAL_S
     # The compiled engine's batched calls at once over its CUDA graphs: 1 (the default), or 2: every shape captured
     # twice with its own pinned buffers, so one call's host part (its rows written in, its outputs copied out) runs
-    # while the other's graph replays (hift_runtime.compiled.CompiledBackend). Not yet measured. Ignored by ORT.
+    # while the other's graph replays (hift_runtime.compiled.CompiledBackend). On an H200 in fp16 two kept 3 328
+    # streams in 2 of 3 runs where one kept 3 072 in 2 of 2, at ~1.7 GB more GPU memory and a higher p95 below
+    # capacity (BENCHMARKS.md, "Two call lanes"): so an opt-in. Ignored by ORT.
     call_lanes: int = 1
 
     def provider_options(self) -> dict[str, str]:
@@ -137,6 +139,9 @@ DEFAULT_CUDNN_THREADS = 8
 # benchmark 2 560 once), its warm starts took 65-95 s against 104-118 s, its stream 59.0 dB from the CPU (the
 # benchmark's 59.0): mode B is fp16's default as well. cuDNN's default, instant heuristic is no choice: fp16's steps
 # 3-5x slower at 64-256.
+# Batched calls at once on the compiled engine's captured graphs (CudaOptions.call_lanes): one, or two (one's host part
+# beside the other's replay; the scheduler has at most two calls in hand).
+CALL_LANES = (1, 2)
 CUDNN_ALGORITHMS = ("benchmark", "heuristics")
 DEFAULT_CUDNN_ALGORITHMS = {"fp32": "heuristics", "tf32": "heuristics", "fp16": "heuristics"}
 # Where cuDNN's benchmark was measured to choose as well in DEFAULT_CUDNN_THREADS threads as in one (fp16, replays

@@ -624,6 +624,17 @@ def test_step_window_option_reaches_the_engine_s_options():
         assert cuda_options(_parser().parse_args(["--artifacts", "a", *given])).step_window is want
 
 
+def test_call_lanes_option_reaches_the_engine_s_options(capsys):
+    """``--call-lanes 1|2`` sets CudaOptions.call_lanes (default 1); another count is refused by the parser."""
+    from hift_runtime.server import _parser, cuda_options
+
+    for given, want in (([], 1), (["--call-lanes", "2"], 2)):
+        assert cuda_options(_parser().parse_args(["--artifacts", "a", *given])).call_lanes == want
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--artifacts", "a", "--call-lanes", "3"])
+    assert "--call-lanes" in capsys.readouterr().err
+
+
 def test_several_processes_stop_together_when_one_cannot_start(tmp_path):
     """``--processes 2`` over a missing export: each process says why in one line, the supervisor says which
     stopped first and returns its status."""
