@@ -72,7 +72,7 @@ def interval_s(text: str) -> float | None:
 
 def main() -> None:
     from hift_runtime import CudaOptions
-    from hift_runtime.sessions import CUDNN_ALGORITHMS
+    from hift_runtime.sessions import CALL_LANES, CUDNN_ALGORITHMS
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--artifacts", required=True)
@@ -85,7 +85,7 @@ def main() -> None:
     p.add_argument("--step-window", choices=["on", "off"], default=None,
                    help="CudaOptions.step_window: the stream step as one graph of the largest step size (default: the "
                         "precision's)")
-    p.add_argument("--call-lanes", type=int, choices=[1, 2], default=1,
+    p.add_argument("--call-lanes", type=int, choices=CALL_LANES, default=1,
                    help="CudaOptions.call_lanes: every shape captured once per lane (default 1)")
     p.add_argument("--warmup-switch-interval-ms", dest="warmup_switch_interval_s", type=interval_s, metavar="MS",
                    default=CudaOptions.warmup_switch_interval_s,

@@ -421,7 +421,7 @@ def p95_by_k(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 def main() -> None:
     from hift_runtime.argparsing import gpu_ids
-    from hift_runtime.sessions import CUDNN_ALGORITHMS
+    from hift_runtime.sessions import CALL_LANES, CUDNN_ALGORITHMS
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--artifacts", required=False, help="the export to load (required unless --plot-only)")
@@ -471,7 +471,7 @@ def main() -> None:
     p.add_argument("--final-window", choices=["on", "off"], default=None,
                    help="the compiled engine's final step as one call over its window (CudaOptions.final_window; "
                         "default: the engine's, on with CUDA graphs)")
-    p.add_argument("--call-lanes", type=int, choices=[1, 2], default=1,
+    p.add_argument("--call-lanes", type=int, choices=CALL_LANES, default=1,
                    help="the compiled engine's batched calls at once (CudaOptions.call_lanes; default 1)")
     p.add_argument("--step-window", choices=["on", "off"], default=None,
                    help="the compiled engine's stream step as one graph over its window (CudaOptions.step_window; "

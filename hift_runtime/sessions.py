@@ -139,9 +139,6 @@ DEFAULT_CUDNN_THREADS = 8
 # benchmark 2 560 once), its warm starts took 65-95 s against 104-118 s, its stream 59.0 dB from the CPU (the
 # benchmark's 59.0): mode B is fp16's default as well. cuDNN's default, instant heuristic is no choice: fp16's steps
 # 3-5x slower at 64-256.
-# Batched calls at once on the compiled engine's captured graphs (CudaOptions.call_lanes): one, or two (one's host part
-# beside the other's replay; the scheduler has at most two calls in hand).
-CALL_LANES = (1, 2)
 CUDNN_ALGORITHMS = ("benchmark", "heuristics")
 DEFAULT_CUDNN_ALGORITHMS = {"fp32": "heuristics", "tf32": "heuristics", "fp16": "heuristics"}
 # Where cuDNN's benchmark was measured to choose as well in DEFAULT_CUDNN_THREADS threads as in one (fp16, replays
@@ -154,6 +151,9 @@ BENCHMARK_IN_THREADS = ("fp16",)
 # (BENCHMARKS.md, "The stream step in a window"); in tf32 the device time was the same but the pushes waited twice
 # as long under load and 1 792 streams were no longer kept (BENCHMARKS.md, "tf32 keeps its graph per step size").
 DEFAULT_STEP_WINDOW = {"fp32": True, "tf32": False, "fp16": False}
+# Batched calls at once on the compiled engine's captured graphs (CudaOptions.call_lanes): one, or two (one's host part
+# beside the other's replay; the scheduler has at most two calls in hand).
+CALL_LANES = (1, 2)
 
 
 def cudnn_threads_at_most(precision: str, cudnn_algorithms: str | None) -> int:
