@@ -518,3 +518,35 @@ def test_compiled_faster_precisions_stay_within_their_bounds(small_artifacts, pr
 
     gc.collect()
     assert vocoder.backend.slots_in_use == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _torch_cuda(), reason="no CUDA device for torch here")
+def test_eager_step_graphs_index_in_bounds_on_padded_batches(small_artifacts, monkeypatch):
+    """The step captured eagerly (``compile=False``: no inductor, seconds to warm) in CUDA graphs, in both windows and
+    on two lanes. ATen's gathers assert on an index out of bounds where inductor's graphs would read undefined memory
+    without a word, so this is the check that a padding row (zeros: frames 0, slot 0) stays in bounds. On the H200 it
+    hit that assert before the step clamped a padding row's frames. 24 concurrent streams, batches of every size,
+    each equal to the CPU EP's stream."""
+    import functools
+
+    from hift_runtime import compiled
+
+    monkeypatch.setattr(compiled, "CompiledBackend", functools.partial(compiled.CompiledBackend, compile=False))
+    vocoder = open_vocoder(small_artifacts.out, device="cuda", engine="compiled", max_batch=16, max_wait_ms=5,
+                           cuda=CudaOptions(step_window=True, call_lanes=2, slots=128, cudnn_threads=2))
+    try:
+        vocoder.warmup()
+        assert not vocoder.backend.compiled and vocoder.backend.step_window_frames == 24
+        assert vocoder.backend.call_lanes == 2 and vocoder.backend._graphs  # captured
+        cpu = open_vocoder(small_artifacts.out, device="cpu")
+        rng = np.random.default_rng(67)
+        mels = [random_mel(int(rng.integers(10, 200)), seed=300 + i) for i in range(24)]
+        schedules = [[int(x) for x in rng.integers(1, 30, 8)] + [500] for _ in range(24)]
+        got = run_in_threads(lambda i: np.concatenate(stream_all(vocoder, mels[i], schedules[i])[0]), range(24))
+        for i in range(24):
+            want = np.concatenate(stream_all(cpu, mels[i], schedules[i])[0])
+            assert max_abs(got[i], want) <= 2e-6, i
+        assert vocoder.scheduler.stats.max_batch > 1
+    finally:
+        vocoder.close()
