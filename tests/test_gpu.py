@@ -404,6 +404,19 @@ def test_a_start_at_another_slot_count_loads_its_graphs_from_the_cache(small_art
         other.close()
 
 
+def _each_concurrent_stream_equals(vocoder, reference, count: int, seed: int, mel_seed: int,
+                                   lengths: tuple[int, int], pushes: tuple[int, int]) -> None:
+    """``count`` streams (mels of ``lengths`` frames, 8 pushes of ``pushes`` frames and a finish) run at once on
+    ``vocoder``, each equal to ``reference``'s stream of the same mel and schedule within 2e-6 (the CUDA EP's bar)."""
+    rng = np.random.default_rng(seed)
+    mels = [random_mel(int(rng.integers(*lengths)), seed=mel_seed + i) for i in range(count)]
+    schedules = [[int(x) for x in rng.integers(*pushes, 8)] + [500] for _ in range(count)]
+    got = run_in_threads(lambda i: np.concatenate(stream_all(vocoder, mels[i], schedules[i])[0]), range(count))
+    for i in range(count):
+        want = np.concatenate(stream_all(reference, mels[i], schedules[i])[0])
+        assert max_abs(got[i], want) <= 2e-6, i
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _torch_cuda(), reason="no CUDA device for torch here")
 def test_two_call_lanes_stream_as_one_lane_does(small_artifacts, compiled_gpu):
@@ -418,13 +431,7 @@ def test_two_call_lanes_stream_as_one_lane_does(small_artifacts, compiled_gpu):
         two.warmup()
         assert two.backend.call_lanes == 2 and two.scheduler._device._max_workers == 2
         assert two.backend._lane_graphs[1].keys() == two.backend._graphs.keys()
-        rng = np.random.default_rng(66)
-        mels = [random_mel(int(rng.integers(10, 160)), seed=200 + i) for i in range(32)]
-        schedules = [[int(x) for x in rng.integers(0, 40, 8)] + [500] for _ in range(32)]
-        got = run_in_threads(lambda i: np.concatenate(stream_all(two, mels[i], schedules[i])[0]), range(32))
-        for i in range(32):
-            want = np.concatenate(stream_all(compiled_gpu, mels[i], schedules[i])[0])
-            assert max_abs(got[i], want) <= 2e-6, i
+        _each_concurrent_stream_equals(two, compiled_gpu, 32, seed=66, mel_seed=200, lengths=(10, 160), pushes=(0, 40))
         assert two.scheduler.stats.max_batch > 1
         assert compile_count() == two.backend.compiles_at_warmup
         assert two.backend._free_lanes.qsize() == 2
@@ -540,13 +547,7 @@ def test_eager_step_graphs_index_in_bounds_on_padded_batches(small_artifacts, mo
         assert not vocoder.backend.compiled and vocoder.backend.step_window_frames == 24
         assert vocoder.backend.call_lanes == 2 and vocoder.backend._graphs  # captured
         cpu = open_vocoder(small_artifacts.out, device="cpu")
-        rng = np.random.default_rng(67)
-        mels = [random_mel(int(rng.integers(10, 200)), seed=300 + i) for i in range(24)]
-        schedules = [[int(x) for x in rng.integers(1, 30, 8)] + [500] for _ in range(24)]
-        got = run_in_threads(lambda i: np.concatenate(stream_all(vocoder, mels[i], schedules[i])[0]), range(24))
-        for i in range(24):
-            want = np.concatenate(stream_all(cpu, mels[i], schedules[i])[0])
-            assert max_abs(got[i], want) <= 2e-6, i
+        _each_concurrent_stream_equals(vocoder, cpu, 24, seed=67, mel_seed=300, lengths=(10, 200), pushes=(1, 30))
         assert vocoder.scheduler.stats.max_batch > 1
     finally:
         vocoder.close()
