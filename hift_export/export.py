@@ -26,7 +26,6 @@ import json
 import os
 import platform
 import shutil
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +38,7 @@ import torch
 from hift_runtime.manifest import FORMAT_VERSION, MANIFEST_NAME, sha256_file
 
 from .config import COSYVOICE3, HiFTConfig
+from .folder_swap import listed_files, recover_stale_siblings, sibling, swap_into_place
 from .graphs import F0_STEP_INPUTS, GENERATOR_STEP_INPUTS
 from .model import DEFAULT_SEED, CheckpointSource, load_hift
 from .onnx_export import export_onnx, onnx_runners
@@ -82,43 +82,9 @@ def _tool_versions() -> dict[str, str]:
     return versions
 
 
-def _sibling(out: Path, kind: str) -> Path:
-    """A new folder beside ``out``, with the mode a plain ``mkdir`` gives (mkdtemp's 0700 would keep a server running
-    as another user, a Triton container or a systemd unit, from reading the artifacts once swapped in)."""
-    folder = Path(tempfile.mkdtemp(prefix=f".{out.name}.{kind}-", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    folder.chmod(0o777 & ~umask)
-    return folder
-
-
-def _remove_stale_siblings(out: Path) -> None:
-    """Staging and old folders left beside ``out`` by an export that was killed."""
-    for stale in list(out.parent.glob(f".{out.name}.staging-*")) + list(out.parent.glob(f".{out.name}.old-*")):
-        shutil.rmtree(stale, ignore_errors=True)
-
-
-def _swap_into_place(staging: Path, out: Path) -> None:
-    """Replace ``out`` by ``staging`` as a whole. Files in ``out`` that no export wrote (a README, the user's audio)
-    move over; the files of the earlier export go with it."""
-    if out.exists():
-        if not out.is_dir():
-            raise ExportError(f"--out {out} exists and is not a folder")
-        ours = set(ARTIFACT_FILES.values()) | {MANIFEST_NAME}
-        try:
-            old = json.loads((out / MANIFEST_NAME).read_text())
-            ours |= {entry["file"] for entry in old.get("artifacts", {}).values()}
-        except (OSError, ValueError, AttributeError, KeyError, TypeError):
-            pass  # no readable earlier manifest: only our own file names count as the earlier export
-        for item in out.iterdir():
-            if item.name not in ours and not (staging / item.name).exists():
-                os.replace(item, staging / item.name)
-        old_dir = _sibling(out, "old")
-        os.replace(out, old_dir / out.name)
-        os.replace(staging, out)
-        shutil.rmtree(old_dir, ignore_errors=True)
-    else:
-        os.replace(staging, out)
+def _export_names() -> set[str]:
+    """The names an export writes into its folder (everything else there is the user's)."""
+    return set(ARTIFACT_FILES.values()) | {MANIFEST_NAME}
 
 
 def export_artifacts(checkpoint: CheckpointSource | None = None, out: str | os.PathLike[str] = "artifacts",
@@ -155,8 +121,10 @@ def export_artifacts(checkpoint: CheckpointSource | None = None, out: str | os.P
     contract = step_contract(config, f0_dtype)
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_siblings(out)
-    staging = _sibling(out, "staging")
+    recover_stale_siblings(out, _export_names(), log=log)
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out {out} exists and is not a folder; choose another --out")
+    staging = sibling(out, "staging")
     try:
         artifacts: dict[str, dict[str, Any]] = {}
         figures: dict[str, dict[str, float]] = {}
@@ -191,9 +159,10 @@ def export_artifacts(checkpoint: CheckpointSource | None = None, out: str | os.P
             "versions": _tool_versions(),
         }
         (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
-        _swap_into_place(staging, out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        swap_into_place(staging, out, _export_names() | listed_files(out))
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)  # an unfinished export; after the swap it holds the old one
+        raise
     seconds = time.perf_counter() - started
     files = {entry["file"]: entry["bytes"] for entry in artifacts.values()}
     log(f"[done] {len(files)} files in {out} ({sum(files.values()) / 1e6:.1f} MB) in {seconds:.1f} s; {hift.fold_report}")

@@ -5,8 +5,9 @@ A push is the stream's bookkeeping written once as a coroutine (:meth:`~hift_run
 it yields each backend call it needs and is sent the result). The stream's thread validates its chunk, hands the
 coroutine over (one hand-off in, one out, however many steps the push has) and waits. The scheduler thread keeps
 every push in hand at its next call and, whenever the device is free, runs one group as one batched call: the
-calls of the same kind and shape as the oldest waiting push's (streams at different positions batch together; the
-step size fixes the shapes). While that call runs on the device, the scheduler hands out the previous call's results,
+calls of the same kind and shape as the call that has waited longest (streams at different positions batch together;
+the step size fixes the shapes). Waiting time is counted per call, not per push, so a long push takes its turn step by
+step between other streams' calls and never holds the device for its whole length. While that call runs on the device, the scheduler hands out the previous call's results,
 advances those pushes to their next calls and takes in new pushes, so the device waits for Python only when there is
 nothing to run. The group grows with the load by itself: every push that arrives while a call runs can join the next.
 
@@ -67,9 +68,10 @@ class BatchStats:
 @dataclass(eq=False)
 class _Push:
     steps: Generator[StepCall, Any, np.ndarray]
-    handed_over_at: float  # orders pushes: the oldest push's call runs first
+    handed_over_at: float
     call: StepCall | None = None
-    call_ready_at: float = 0.0  # when its current call became ready (the partner wait counts from here)
+    call_ready_at: float = 0.0  # when its current call became ready: orders calls (the longest-waiting runs first)
+    # and the partner wait counts from here
     wrote_caches: bool = False  # a call of it that writes device caches in place has run: it cannot be undone
     quiet: bool = False  # it arrived alone, after the scheduler had been empty a while (inline_quiet_s)
     cancelled: bool = False
@@ -456,11 +458,12 @@ class PushScheduler:
         return self.max_wait_s - (time.monotonic() - group[0].call_ready_at)
 
     def _group_of(self, ready: list[_Push]) -> list[_Push]:
-        """The oldest push's call and every ready call of the same key, oldest push first."""
-        oldest = min(ready, key=lambda p: p.handed_over_at)
+        """The call that has waited longest and every ready call of the same key, longest-waiting first (per call, so
+        one stream's long push cannot keep other streams' calls of other shapes waiting)."""
+        oldest = min(ready, key=lambda p: p.call_ready_at)
         key = oldest.call.key  # type: ignore[union-attr]
         return sorted((p for p in ready if p.call.key == key),  # type: ignore[union-attr]
-                      key=lambda p: p.handed_over_at)
+                      key=lambda p: p.call_ready_at)
 
     def _launch_if_due(self, ready: list[_Push], min_group: int = 1, inline: bool = False) -> _Flight | None:
         """The next batched call, unless nothing is ready, its group is smaller than ``min_group`` or still waits for

@@ -3,7 +3,10 @@
 ``ServerClient("localhost:8001")`` speaks gRPC; ``"http://localhost:8000"`` speaks HTTP. One
 :class:`RemoteStream` per utterance; its chunks go one at a time (the server orders each stream's requests, and a
 client waits for each reply), many streams may run from many threads, one client each.
-:class:`AsyncServerClient` does the same for asyncio code (gRPC), many streams as tasks of one loop.
+Every chunk carries its offset in the stream (the wire's idempotency key), so a request that timed out or lost its
+connection is sent again, up to ``retries`` times: the server applies each chunk once and answers a resend with the
+audio it already made. :class:`AsyncServerClient` does the same for asyncio code (gRPC), many streams as tasks of one
+loop.
 """
 
 from __future__ import annotations
@@ -29,10 +32,10 @@ def _parse_url(url: str) -> tuple[str, str]:
 class ServerClient:
     """A connection to a ``hift-serve`` model; checks at once that the server and the model are ready."""
 
-    def __init__(self, url: str, model_name: str = wire.MODEL_NAME, timeout_s: float = 60.0) -> None:
+    def __init__(self, url: str, model_name: str = wire.MODEL_NAME, timeout_s: float = 60.0, retries: int = 2) -> None:
         self.url = url
         self.protocol, address = _parse_url(url)
-        self.model_name, self.timeout_s = model_name, timeout_s
+        self.model_name, self.timeout_s, self.retries = model_name, timeout_s, retries
         if self.protocol == "grpc":
             import tritonclient.grpc as tc
 
@@ -69,15 +72,22 @@ class ServerClient:
     def stream(self, stream_id: str | None = None) -> "RemoteStream":
         return RemoteStream(self, stream_id or uuid.uuid4().hex)
 
-    def infer(self, stream_id: str, mel: np.ndarray, start: bool, end: bool) -> tuple[np.ndarray, int]:
-        """One chunk: ``(audio, sample_rate)``; raises :class:`ServerError` with the server's message if refused."""
-        inputs = request_inputs(self._tc, self.in_channels, stream_id, mel, start, end)
-        try:
-            # The id also travels as a header, so a load balancer in front of several servers can pin a stream.
-            result = self._client.infer(self.model_name, inputs, headers={wire.STREAM_HEADER: stream_id},
-                                        **self._timeout())
-        except Exception as exc:  # noqa: BLE001 - a transport or Triton error
-            raise ServerError(f"{self.url}: {_short(exc)}") from None
+    def infer(self, stream_id: str, mel: np.ndarray, start: bool, end: bool,
+              offset: int | None = None) -> tuple[np.ndarray, int]:
+        """One chunk: ``(audio, sample_rate)``; raises :class:`ServerError` with the server's message if refused. With
+        ``offset`` (the stream's frames sent before this chunk) a transport failure is retried up to ``retries``
+        times: the server applies the chunk once."""
+        inputs = request_inputs(self._tc, self.in_channels, stream_id, mel, start, end, offset)
+        for _ in range(1 + (self.retries if offset is not None else 0)):
+            try:
+                # The id also travels as a header, so a load balancer in front of several servers can pin a stream.
+                result = self._client.infer(self.model_name, inputs, headers={wire.STREAM_HEADER: stream_id},
+                                            **self._timeout())
+                break
+            except Exception as exc:  # noqa: BLE001 - a transport or Triton error
+                failure = exc
+        else:
+            raise ServerError(f"{self.url}: {_short(failure)}") from None
         return reply_audio(result)
 
     def _timeout(self) -> dict[str, Any]:
@@ -125,8 +135,9 @@ class ShardedClient(_Shards):
     (``wire.STREAM_HEADER``) as its affinity key. A server that refuses a stream's start for want of room
     (:class:`ServerOverloaded`, at its ``--max-streams``) passes it to the next server in the stream's hash order."""
 
-    def __init__(self, urls: list[str], model_name: str = wire.MODEL_NAME, timeout_s: float = 60.0) -> None:
-        self.clients = [ServerClient(url, model_name, timeout_s) for url in self._distinct(urls)]
+    def __init__(self, urls: list[str], model_name: str = wire.MODEL_NAME, timeout_s: float = 60.0,
+                 retries: int = 2) -> None:
+        self.clients = [ServerClient(url, model_name, timeout_s, retries) for url in self._distinct(urls)]
 
     @property
     def in_channels(self) -> int:
@@ -150,6 +161,7 @@ class _StreamState:
         self.client, self.stream_id = client, stream_id
         self._fallbacks = list(fallbacks or [])  # servers to start on if ``client`` has no room (sharded clients)
         self._started = self._ended = False
+        self.frames_sent = 0  # the next chunk's offset: frames the server has applied
         self.sample_rate: int | None = None
 
     def _check_open(self) -> None:
@@ -163,7 +175,8 @@ class _StreamState:
         self.client = self._fallbacks.pop(0)
         return True
 
-    def _pushed(self, end: bool) -> None:
+    def _pushed(self, end: bool, frames: int) -> None:
+        self.frames_sent += frames
         self._fallbacks = []
         self._started = True
         self._ended = end
@@ -177,23 +190,27 @@ class RemoteStream(_StreamState):
         self._check_open()
         while True:
             try:
-                audio, self.sample_rate = self.client.infer(self.stream_id, mel, start=not self._started, end=end)
+                audio, self.sample_rate = self.client.infer(self.stream_id, mel, start=not self._started, end=end,
+                                                            offset=self.frames_sent)
                 break
             except ServerOverloaded:
                 if not self._next_server():
                     raise
-        self._pushed(end)
+        self._pushed(end, np.shape(mel)[-1])
         return audio
 
 
-def request_inputs(tc: Any, in_channels: int, stream_id: str, mel: np.ndarray, start: bool, end: bool) -> list[Any]:
+def request_inputs(tc: Any, in_channels: int, stream_id: str, mel: np.ndarray, start: bool, end: bool,
+                   offset: int | None = None) -> list[Any]:
     """One chunk's request tensors (``tc``: ``tritonclient.grpc`` or ``.http``); a malformed chunk is refused here."""
     mel = np.ascontiguousarray(mel, np.float32)
     if mel.ndim != 2 or mel.shape[0] != in_channels or mel.shape[1] < 1:
         raise ServerError(f"a chunk must be [{in_channels}, T] with T >= 1 frames, got {tuple(mel.shape)}")
     values = {wire.STREAM_ID: np.array([[stream_id.encode()]], dtype=object), wire.MEL: mel[None],
               wire.START: np.array([[start]]), wire.END: np.array([[end]])}
-    types = {wire.STREAM_ID: "BYTES", wire.MEL: "FP32", wire.START: "BOOL", wire.END: "BOOL"}
+    types = {wire.STREAM_ID: "BYTES", wire.MEL: "FP32", wire.START: "BOOL", wire.END: "BOOL", wire.OFFSET: "INT64"}
+    if offset is not None:
+        values[wire.OFFSET] = np.array([[offset]], np.int64)
     inputs = []
     for name, value in values.items():
         tensor = tc.InferInput(name, list(value.shape), types[name])
@@ -218,30 +235,35 @@ class AsyncServerClient:
     many streams as tasks of one event loop, no thread each. Create and use it inside the running loop."""
 
     def __init__(self, url: str, model_name: str = wire.MODEL_NAME, timeout_s: float = 60.0,
-                 in_channels: int | None = None) -> None:
+                 in_channels: int | None = None, retries: int = 2) -> None:
         scheme, address = _parse_url(url)
         if scheme != "grpc":
             raise ServerError(f"server address {url!r}: the asyncio client speaks gRPC (HOST:PORT or grpc://...)")
         import tritonclient.grpc as tc
         import tritonclient.grpc.aio as aio
 
-        self.url, self.model_name, self.timeout_s, self._tc = url, model_name, timeout_s, tc
+        self.url, self.model_name, self.timeout_s, self.retries, self._tc = url, model_name, timeout_s, retries, tc
         self._client = aio.InferenceServerClient(address)
         self.in_channels = in_channels  # read from the model's metadata at the first chunk when not given
 
-    async def infer(self, stream_id: str, mel: np.ndarray, start: bool, end: bool) -> tuple[np.ndarray, int]:
-        """One chunk, as :meth:`ServerClient.infer`."""
-        try:
-            if self.in_channels is None:
-                meta = await self._client.get_model_metadata(self.model_name, as_json=True)
-                self.in_channels = next(int(i["shape"][-2]) for i in meta["inputs"] if i["name"] == wire.MEL)
-            inputs = request_inputs(self._tc, self.in_channels, stream_id, mel, start, end)
-            result = await self._client.infer(self.model_name, inputs, headers={wire.STREAM_HEADER: stream_id},
-                                              client_timeout=self.timeout_s)
-        except ServerError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a transport or Triton error
-            raise ServerError(f"{self.url}: {_short(exc)}") from None
+    async def infer(self, stream_id: str, mel: np.ndarray, start: bool, end: bool,
+                    offset: int | None = None) -> tuple[np.ndarray, int]:
+        """One chunk, as :meth:`ServerClient.infer` (retried the same way)."""
+        for _ in range(1 + (self.retries if offset is not None else 0)):
+            try:
+                if self.in_channels is None:
+                    meta = await self._client.get_model_metadata(self.model_name, as_json=True)
+                    self.in_channels = next(int(i["shape"][-2]) for i in meta["inputs"] if i["name"] == wire.MEL)
+                inputs = request_inputs(self._tc, self.in_channels, stream_id, mel, start, end, offset)
+                result = await self._client.infer(self.model_name, inputs, headers={wire.STREAM_HEADER: stream_id},
+                                                  client_timeout=self.timeout_s)
+                break
+            except ServerError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a transport or Triton error
+                failure = exc
+        else:
+            raise ServerError(f"{self.url}: {_short(failure)}") from None
         return reply_audio(result)
 
     def stream(self, stream_id: str | None = None) -> "AsyncRemoteStream":
@@ -255,8 +277,9 @@ class AsyncShardedClient(_Shards):
     """:class:`ShardedClient` for asyncio (gRPC): ``await client.stream().push(chunk, end=...)``, each stream on the
     server its id picks, a start refused for room passed to the next. Create and use it inside the running loop."""
 
-    def __init__(self, urls: list[str], model_name: str = wire.MODEL_NAME, timeout_s: float = 60.0) -> None:
-        self.clients = [AsyncServerClient(url, model_name, timeout_s) for url in self._distinct(urls)]
+    def __init__(self, urls: list[str], model_name: str = wire.MODEL_NAME, timeout_s: float = 60.0,
+                 retries: int = 2) -> None:
+        self.clients = [AsyncServerClient(url, model_name, timeout_s, retries=retries) for url in self._distinct(urls)]
 
     def stream(self, stream_id: str | None = None) -> "AsyncRemoteStream":
         sid = stream_id or uuid.uuid4().hex
@@ -276,12 +299,12 @@ class AsyncRemoteStream(_StreamState):
         while True:
             try:
                 audio, self.sample_rate = await self.client.infer(self.stream_id, mel, start=not self._started,
-                                                                  end=end)
+                                                                  end=end, offset=self.frames_sent)
                 break
             except ServerOverloaded:
                 if not self._next_server():
                     raise
-        self._pushed(end)
+        self._pushed(end, np.shape(mel)[-1])
         return audio
 
 

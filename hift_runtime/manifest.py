@@ -83,6 +83,7 @@ class Manifest:
                                 f"hift-export --formats onnx") from None
 
     def path(self, role: str) -> Path:
+        """``role``'s file: always inside the artifacts folder (:func:`read_manifest` refused any other name)."""
         return self.root / self.artifact(role)["file"]
 
     def verify(self, role: str) -> None:
@@ -100,6 +101,79 @@ class Manifest:
         if digest != entry["sha256"]:
             raise ArtifactError(f"{file} ({role}) sha256 {digest[:16]}… does not match the manifest's "
                                 f"{entry['sha256'][:16]}…: the file was modified or damaged; re-export")
+
+
+_CACHE_ENTRY = {"name": str, "shape": [int], "dtype": str}
+# The fields a reader of the manifest reads, by type: a dict is a section, ``[T]`` a list of T, a key starting with
+# ``?`` optional. ``artifacts`` (role -> entry) is checked on its own.
+_SHAPE: dict[str, Any] = {
+    "config": {"in_channels": int, "sampling_rate": int,
+               "derived": {"samples_per_frame": int, "num_sines": int, "noise_table_length": int}},
+    "step": {"mel_look_ahead_frames": int, "source_look_ahead_frames": int, "audio_lag_frames": int,
+             "f0_look_ahead_frames": int, "generator_caches": [_CACHE_ENTRY], "f0_caches": [_CACHE_ENTRY],
+             "?pool_row_floats": int},
+}
+_ARTIFACT_ENTRY = {"file": str, "bytes": int, "sha256": str}
+_TYPE_NAMES = {int: "an integer", str: "a string", dict: "an object", list: "a list"}
+
+
+def _shape_problem(value: Any, shape: Any, where: str) -> str | None:
+    """Where ``value`` departs from ``shape`` (see :data:`_SHAPE`), as ``"field: what it should be"``; None if not."""
+    if isinstance(shape, dict):
+        if not isinstance(value, dict):
+            return f"{where} must be an object"
+        for key, inner in shape.items():
+            name = key.lstrip("?")
+            if name not in value:
+                if key.startswith("?"):
+                    continue
+                return f"{where}.{name} is missing"
+            problem = _shape_problem(value[name], inner, f"{where}.{name}")
+            if problem:
+                return problem
+        return None
+    if isinstance(shape, list):
+        if not isinstance(value, list):
+            return f"{where} must be a list"
+        for i, item in enumerate(value):
+            problem = _shape_problem(item, shape[0], f"{where}[{i}]")
+            if problem:
+                return problem
+        return None
+    # bool is an int in Python, never one here ("bytes": true is as wrong as "bytes": "26566520").
+    if not isinstance(value, shape) or isinstance(value, bool):
+        return f"{where} must be {_TYPE_NAMES[shape]}, not {type(value).__name__} {json.dumps(value)[:40]}"
+    return None
+
+
+def contained_file(root: Path, name: str, role: str, manifest_path: Path) -> Path:
+    """``root / name`` when that names a file inside ``root`` (links resolved); else :class:`ArtifactError`, before
+    anything at that path is touched."""
+    pure = Path(name)
+    if not name or pure.is_absolute() or ".." in pure.parts:
+        raise ArtifactError(f"{manifest_path}: the '{role}' artifact's file {name!r} is not a plain name inside the "
+                            f"artifacts folder (absolute paths and '..' are refused); re-export")
+    path = root / pure
+    if not path.resolve().is_relative_to(root.resolve()):
+        raise ArtifactError(f"{manifest_path}: the '{role}' artifact's file {name!r} leads outside the artifacts "
+                            f"folder (a link); copy the file itself into the folder or re-export")
+    return path
+
+
+def _check_shape(data: dict[str, Any], path: Path) -> None:
+    """Refuse a manifest whose fields a reader reads have the wrong types, naming the first such field."""
+    problem = _shape_problem({k: data[k] for k in _SHAPE}, _SHAPE, "manifest")
+    if problem is None:
+        artifacts = data["artifacts"]
+        if not isinstance(artifacts, dict):
+            problem = "manifest.artifacts must be an object (role -> file entry)"
+        else:
+            for role, entry in artifacts.items():
+                problem = _shape_problem(entry, _ARTIFACT_ENTRY, f"manifest.artifacts.{role}")
+                if problem:
+                    break
+    if problem:
+        raise ArtifactError(f"{path} is malformed: {problem}; re-export")
 
 
 def read_manifest(root: str | os.PathLike[str], verify: Iterable[str] | str | None = "all") -> Manifest:
@@ -126,6 +200,9 @@ def read_manifest(root: str | os.PathLike[str], verify: Iterable[str] | str | No
     for key in ("config", "step", "artifacts"):
         if key not in data:
             raise ArtifactError(f"{path} lacks the '{key}' section; re-export")
+    _check_shape(data, path)
+    for role, entry in data["artifacts"].items():  # every listed file, verified now or later, stays in the folder
+        contained_file(root, entry["file"], role, path)
     manifest = Manifest(root, data)
     for role in (list(data["artifacts"]) if verify == "all" else list(verify or ())):
         manifest.verify(role)

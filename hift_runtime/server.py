@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 import signal
+import subprocess
 import sys
 import sysconfig
 import tempfile
@@ -32,16 +33,22 @@ from .argparsing import OneLineArgumentParser, gpu_ids
 from .manifest import ArtifactError
 from .noise import NoiseTableError
 from .process_tuning import HANDOFF_SWITCH_INTERVAL_S, keep_freed_memory, tune_garbage_collector
-from .serving import MAX_CHUNK_FRAMES, ChunkReply, ChunkRequest, StreamTable
+from .serving import MAX_CHUNK_FRAMES, ChunkReply, ChunkRequest, StreamTable, decode_stream_id
 from .sessions import CALL_LANES, CUDNN_ALGORITHMS, DEFAULT_STEP_WINDOW, CudaOptions, nvidia_driver_present
 from .streaming import StreamingVocoder
 
 
-def _request(data: dict[str, np.ndarray]) -> ChunkRequest:
-    sid = wire.first_value(data[wire.STREAM_ID])
-    sid = sid.decode("utf-8", "replace") if isinstance(sid, bytes) else str(sid)
+def chunk_request(data: dict[str, Any]) -> ChunkRequest:
+    """One wire request's tensors (each with its batch axis; ``offset`` may be absent or None) -> the table's
+    request. A request that is not exactly one row carries its refusal (``problem``), so it is refused alone."""
+    sid = decode_stream_id(wire.first_value(data[wire.STREAM_ID]))
     start, end = (bool(wire.first_value(data[name])) for name in (wire.START, wire.END))
-    return ChunkRequest(sid, data[wire.MEL][0], start, end)
+    offset = data.get(wire.OFFSET)
+    rows = {np.shape(value)[0] if np.ndim(value) else 0 for value in data.values() if value is not None}
+    problem = "" if rows == {1} else (f"the request carries {max(rows)} rows; send one chunk of one stream per "
+                                      f"request (batch size 1)")
+    return ChunkRequest(sid, data[wire.MEL][0], start, end,
+                        None if offset is None else int(wire.first_value(offset)), problem)
 
 
 def make_infer_func(table: StreamTable, sample_rate: int):
@@ -49,7 +56,7 @@ def make_infer_func(table: StreamTable, sample_rate: int):
     rate = np.array([[sample_rate]], np.int32)
 
     def infer(requests: list[Any]) -> list[dict[str, np.ndarray]]:
-        replies = table.handle([_request(r.data if hasattr(r, "data") else r) for r in requests])
+        replies = table.handle([chunk_request(r.data if hasattr(r, "data") else r) for r in requests])
         return [_reply(reply, rate) for reply in replies]
 
     return infer
@@ -75,7 +82,8 @@ def bind(triton: Any, table: StreamTable, *, in_channels: int, sample_rate: int,
         inputs=[Tensor(name=wire.STREAM_ID, dtype=bytes, shape=(1,)),
                 Tensor(name=wire.MEL, dtype=np.float32, shape=(in_channels, -1)),
                 Tensor(name=wire.START, dtype=np.bool_, shape=(1,)),
-                Tensor(name=wire.END, dtype=np.bool_, shape=(1,))],
+                Tensor(name=wire.END, dtype=np.bool_, shape=(1,)),
+                Tensor(name=wire.OFFSET, dtype=np.int64, shape=(1,), optional=True)],
         outputs=[Tensor(name=wire.AUDIO, dtype=np.float32, shape=(-1,)),
                  Tensor(name=wire.SAMPLES, dtype=np.int64, shape=(1,)),
                  Tensor(name=wire.SAMPLE_RATE, dtype=np.int32, shape=(1,)),
@@ -253,8 +261,6 @@ def stop_signals_recorded() -> Iterator[list[int]]:
 def stop_processes(processes: Sequence[Any], timeout_s: float) -> None:
     """Ask every process still running to stop (SIGTERM), wait up to ``timeout_s`` for each, kill any that would
     not."""
-    import subprocess
-
     for process in processes:
         if process.poll() is None:
             process.terminate()
@@ -401,7 +407,8 @@ def serve_python_backend(args: argparse.Namespace, argv: list[str], opener: str 
     import time
 
     from .manifest import read_manifest
-    from .triton_python import OPENER, launch, load_failure
+    from .supervision import process_alive, release_folder, temp_folder
+    from .triton_python import OPENER, launch, load_failure, model_pid
 
     opener = opener or OPENER
 
@@ -411,7 +418,7 @@ def serve_python_backend(args: argparse.Namespace, argv: list[str], opener: str 
     except (ArtifactError, OSError, KeyError, ValueError) as exc:
         print(f"hift-serve: error: {exc}", file=sys.stderr)
         return 2
-    folder = Path(tempfile.mkdtemp(prefix="hift-serve-"))
+    folder = temp_folder()
     log_file = Path(args.triton_log or folder / "triton.log")
     failed_log: Path | None = None
     http_url = local_http_url(args)
@@ -423,11 +430,26 @@ def serve_python_backend(args: argparse.Namespace, argv: list[str], opener: str 
                 print(f"hift-serve: error: cannot start tritonserver: {exc}", file=sys.stderr)
                 return 2
             announced = False
+            dead_model: int | None = None
             while process.poll() is None and not stopping:
                 if not announced and wait_model_ready(http_url, args.model_name, timeout_s=0.5):
                     print(ready_line(args, "the runtime inside Triton's Python backend", log_file), flush=True)
                     announced = True
+                pid = model_pid(folder)
+                if pid is not None and not process_alive(pid) and not stopping:
+                    dead_model = pid  # tritonserver would keep answering ready while nothing serves
+                    try:  # a model that failed to load takes tritonserver down by itself: its message is better
+                        process.wait(timeout=2)
+                    except subprocess.TimeoutExpired:
+                        break
                 time.sleep(0.2)
+            if process.poll() is None and dead_model is not None:
+                process.kill()  # nothing left to unload gracefully: the ports close at once (readiness fails)
+                process.wait()
+                print(f"hift-serve: error: the model process (pid {dead_model}, Triton's Python-backend stub) died; "
+                      f"the streams it held are lost (their clients cannot reach this server); stopping",
+                      file=sys.stderr, flush=True)
+                return 1
             if process.poll() is None:  # asked to stop: Triton unloads the model (its finalize) and exits
                 stop_processes([process], timeout_s=60)
             elif not stopping:
@@ -445,6 +467,7 @@ def serve_python_backend(args: argparse.Namespace, argv: list[str], opener: str 
         if failed_log is not None and not args.triton_log:  # the repository goes; the log the message names stays
             shutil.rmtree(folder / "models", ignore_errors=True)
             shutil.rmtree(folder / "backends", ignore_errors=True)
+            release_folder(folder)
         else:
             shutil.rmtree(folder, ignore_errors=True)
     print("hift-serve: stopped", flush=True)

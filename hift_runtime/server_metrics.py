@@ -45,6 +45,8 @@ class ServerStateCollector:
         yield refused
         yield CounterMetricFamily("hift_streams_expired", "streams released after idle_timeout_s",
                                   value=table.streams_expired)
+        yield CounterMetricFamily("hift_resends_replayed", "resent chunks (same offset) answered with the audio "
+                                  "already computed, nothing applied twice", value=table.resends_replayed)
         calls = CounterMetricFamily("hift_step_calls", "stream steps run, by device and kind (generator, final, f0)",
                                     labels=["device", "kind"])
         batches = CounterMetricFamily("hift_step_batches", "batched device calls, by device and kind; calls / "

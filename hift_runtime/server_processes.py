@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 from .sessions import cudnn_threads_at_most
+from .supervision import dies_with_parent
 
 PORT_STRIDE = 10
 PORT_OPTIONS = ("--grpc-port", "--http-port", "--metrics-port", "--state-metrics-port")
@@ -55,37 +56,62 @@ def ports_of(args: argparse.Namespace, processes: int) -> dict[str, int]:
             for i in range(processes) for option in PORT_OPTIONS}
 
 
+# A process that dies once every process was ready is started again at most this many times in all (a crash loop
+# then stops the server); one that dies before it was ready stops the server at once (its start is broken).
+MAX_RESTARTS = 5
+
+
 def serve_processes(args: argparse.Namespace, argv: list[str]) -> int:
     """Start ``args.processes`` hift-serve processes, relay their lines (prefixed ``[i]``), say one ready line once
-    every one is ready, pass SIGTERM/Ctrl-C on; if one stops on its own, stop the others and return its status."""
-    from .server import stop_processes, stop_signals_recorded
+    every one is ready, pass SIGTERM/Ctrl-C on. A process that dies after that is started again on its own ports
+    (its streams are lost: their clients are refused; the other processes' streams go on); one that dies before it
+    was ready stops every process, and its status is returned. Every process dies with this supervisor."""
+    from .server import busy_port, stop_processes, stop_signals_recorded
 
     n = args.processes
     ready = [threading.Event() for _ in range(n)]
     children: list[subprocess.Popen] = []
     relays: list[threading.Thread] = []
+
+    def start(i: int) -> subprocess.Popen:
+        ready[i] = threading.Event()
+        child = subprocess.Popen([sys.executable, "-m", "hift_runtime.server", *process_argv(args, argv, i, n)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+                                 start_new_session=True,  # our signals reach them through us, in order
+                                 preexec_fn=dies_with_parent())
+        relays.append(threading.Thread(target=_relay, args=(child.stdout, i, ready[i]), daemon=True))
+        relays[-1].start()
+        return child
+
     try:
         with stop_signals_recorded() as stopping:
             for i in range(n):
-                child = subprocess.Popen([sys.executable, "-m", "hift_runtime.server", *process_argv(args, argv, i, n)],
-                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
-                                         start_new_session=True)  # our signals reach them through us, in order
-                children.append(child)
-                relays.append(threading.Thread(target=_relay, args=(child.stdout, i, ready[i]), daemon=True))
-                relays[-1].start()
-            announced = False
-            while not stopping and all(c.poll() is None for c in children):
+                children.append(start(i))
+            announced, restarts, status = False, 0, 0
+            while not stopping:
+                dead = next((i for i, c in enumerate(children) if c.poll() is not None), None)
+                if dead is not None:
+                    code = children[dead].returncode
+                    if not announced or not ready[dead].is_set() or restarts >= MAX_RESTARTS:
+                        status = code or 1
+                        why = ("before every process was ready" if not announced else
+                               "before it was ready again" if not ready[dead].is_set() else
+                               f"after {restarts} restarts")
+                        print(f"hift-serve: error: process {dead} exited with status {code} {why}; stopping the "
+                              f"others", file=sys.stderr, flush=True)
+                        break
+                    restarts += 1
+                    print(f"hift-serve: error: process {dead} exited with status {code}; the streams it held are "
+                          f"lost; starting it again (the other processes serve on)", file=sys.stderr, flush=True)
+                    ports = {option: port_of(args, option, dead) for option in PORT_OPTIONS}
+                    deadline = time.monotonic() + 30  # its tritonserver and model process go with it
+                    while busy_port(args.host, ports) and time.monotonic() < deadline and not stopping:
+                        time.sleep(0.2)
+                    children[dead] = start(dead)
                 if not announced and all(e.is_set() for e in ready):
                     print(processes_ready_line(args, n), flush=True)
                     announced = True
                 time.sleep(0.2)
-            status = 0
-            if not stopping:  # one stopped on its own: its status, the others stopped
-                first = next(c for c in children if c.poll() is not None)
-                status = first.returncode or 1
-                print(f"hift-serve: error: process {children.index(first)} exited with status {first.returncode}"
-                      f"{'' if announced else ' before every process was ready'}; stopping the others",
-                      file=sys.stderr, flush=True)
             stop_processes(children, timeout_s=90)
             for relay in relays:
                 relay.join(timeout=5)

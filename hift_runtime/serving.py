@@ -11,8 +11,15 @@ stream's state as it was; the others in its batch are served. An ``end`` request
 stream's tail are computed together, or (refused, failed) not at all.
 
 Memory is bounded whatever clients send: open streams by ``max_streams`` (the vocoder's), a chunk by
-``max_chunk_frames``, an id by :data:`MAX_STREAM_ID_BYTES`, and the ids of closed streams (remembered so that a late
-chunk is told "ended" or "expired" rather than "unknown") by :data:`CLOSED_IDS_REMEMBERED`.
+``max_chunk_frames``, an id by :data:`MAX_STREAM_ID_BYTES`, the requests one stream has in flight by
+:data:`MAX_REQUESTS_IN_FLIGHT`, each open stream's remembered last reply by one chunk's audio, the final replies of
+ended streams by :data:`FINAL_REPLIES_REMEMBERED`, and the ids of closed streams (remembered so that a late chunk is
+told "ended" or "expired" rather than "unknown") by :data:`CLOSED_IDS_REMEMBERED`.
+
+Resends: a request may carry its chunk's ``offset`` (the frames of the stream sent before it). A chunk is applied only
+at the stream's current frame count; a resend of the last applied chunk (same offset and length: a client that timed
+out and retried) gets that chunk's audio again and changes nothing; any other offset is refused with the frame the
+server expects. Stream ids are keyed by their exact bytes: an id that is not valid UTF-8 is refused, never merged.
 """
 
 from __future__ import annotations
@@ -36,6 +43,11 @@ log = logging.getLogger("hift_runtime.serving")
 # Ids of closed streams remembered (oldest forgotten first): at most this many ids of at most MAX_STREAM_ID_BYTES.
 CLOSED_IDS_REMEMBERED = 16384
 MAX_STREAM_ID_BYTES = 256
+# Requests of one stream queued or running at once: a client waits for each reply, so a few cover retries and
+# pipelining; past this a request is refused at once instead of holding its mel in the server.
+MAX_REQUESTS_IN_FLIGHT = 8
+# Ended streams whose final reply is kept for a resend of their last request (their audio: one chunk each).
+FINAL_REPLIES_REMEMBERED = 256
 # The longest chunk a request may carry by default: 1 000 frames are 20 s of audio (320 KB of mel); a push is split
 # into bounded steps anyway, this bounds what one request holds in memory and how long it occupies the device.
 MAX_CHUNK_FRAMES = 1000
@@ -49,8 +61,10 @@ def _refusal(message: str, reason: str) -> StreamError:
 
 
 def refusal_reason(exc: BaseException) -> str:
-    """What a refused request is counted as: overload, bad_mel, bad_id, unknown_stream, closed_stream,
-    already_open, stream_state (a call the stream's state does not allow), or internal (a backend failure)."""
+    """What a refused request is counted as: overload, bad_mel, bad_id, bad_request (not one row of the wire's
+    tensors), bad_offset (a chunk not at the stream's frame count), flood (too many requests of one stream in
+    flight), unknown_stream, closed_stream, already_open, stream_state (a call the stream's state does not allow), or
+    internal (a backend failure)."""
     if isinstance(exc, OverloadError):
         return "overload"
     if isinstance(exc, MelError):
@@ -60,11 +74,22 @@ def refusal_reason(exc: BaseException) -> str:
     return "internal"
 
 
+def decode_stream_id(raw: Any) -> str:
+    """A stream id as it arrives (bytes) -> the table's key: UTF-8, with undecodable bytes kept as surrogates
+    (``surrogateescape``), so two different byte strings never become one key (:func:`check_stream_id` refuses
+    them)."""
+    return raw.decode("utf-8", "surrogateescape") if isinstance(raw, bytes) else str(raw)
+
+
 def check_stream_id(stream_id: str) -> None:
-    """Refuse an empty id or one longer than :data:`MAX_STREAM_ID_BYTES` (UTF-8) with :class:`StreamError`."""
+    """Refuse an empty id, one that is not valid UTF-8, or one longer than :data:`MAX_STREAM_ID_BYTES` (UTF-8) with
+    :class:`StreamError`."""
     if not stream_id:
         raise _refusal("the stream id is empty; send a non-empty id (a UUID, say)", "bad_id")
-    size = len(stream_id.encode("utf-8", "surrogatepass"))
+    try:
+        size = len(stream_id.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise _refusal("the stream id is not valid UTF-8; send a UTF-8 id (a UUID, say)", "bad_id") from None
     if size > MAX_STREAM_ID_BYTES:
         raise _refusal(f"the stream id has {size} bytes, more than {MAX_STREAM_ID_BYTES}; use a shorter id",
                        "bad_id")
@@ -77,12 +102,26 @@ def shown_id(stream_id: str) -> str:
 
 @dataclass(frozen=True)
 class ChunkRequest:
-    """One chunk of one stream: ``mel [C, T]`` (or ``[1, C, T]``) natural-log mel frames."""
+    """One chunk of one stream: ``mel [C, T]`` (or ``[1, C, T]``) natural-log mel frames; ``offset``: the stream's
+    frames sent before this chunk (None: not checked); ``problem``: why the request is malformed as it arrived (it
+    is then refused with that message, nothing else looked at)."""
 
     stream_id: str
     mel: np.ndarray
     start: bool = False
     end: bool = False
+    offset: int | None = None
+    problem: str = ""
+
+
+@dataclass
+class _Applied:
+    """The last chunk applied to a stream: where it started, its frames, and the audio its reply carried (a resend of
+    it gets that audio again)."""
+
+    offset: int
+    frames: int
+    audio: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -107,6 +146,9 @@ class StreamTable:
         self.max_chunk_frames = max_chunk_frames
         self._streams: dict[str, VocoderStream] = {}
         self._closed: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._applied: dict[str, _Applied] = {}  # each open stream's last applied chunk (a resend replays it)
+        self._final: collections.OrderedDict[str, _Applied] = collections.OrderedDict()  # ended streams' last
+        self.resends_replayed = 0
         self._lock = threading.Lock()
         self._next_reap = 0.0
         # Stream id -> [its order lock, requests holding or awaiting it]: the loop's own (touched only there).
@@ -183,12 +225,19 @@ class StreamTable:
         entry = self._order.get(sid)
         if entry is None:
             entry = self._order[sid] = [asyncio.Lock(), 0]
-        entry[1] += 1
+        room = max(0, MAX_REQUESTS_IN_FLIGHT - entry[1])
+        admitted, flooded = requests[:room], requests[room:]
+        refused = [self._refuse(r, _refusal(f"{MAX_REQUESTS_IN_FLIGHT} requests of this stream are in flight, the "
+                                            f"most one stream may have; wait for their replies", "flood"))
+                   for r in flooded]
+        entry[1] += len(admitted)
         try:
+            if not admitted:
+                return refused
             async with entry[0]:
-                return [await self._serve(r) for r in requests]
+                return [await self._serve(r) for r in admitted] + refused
         finally:
-            entry[1] -= 1
+            entry[1] -= len(admitted)
             if entry[1] == 0:
                 del self._order[sid]
 
@@ -196,12 +245,22 @@ class StreamTable:
         sid = request.stream_id
         stream = None
         try:
+            if request.problem:
+                raise _refusal(request.problem, "bad_request")
             check_stream_id(sid)
+            replay = self._replay(request)
+            if replay is not None:  # a resend of the chunk applied last: its audio again, nothing applied twice
+                return ChunkReply(replay)
             found = None if request.start else self._find(sid)  # an unknown or ended stream is said first
             mel = validate_mel(request.mel, self.vocoder.constants.in_channels)  # refused: nothing opened or moved
             if mel.shape[1] > self.max_chunk_frames:
                 raise MelError(f"the chunk has {mel.shape[1]} frames, more than this server takes in one request "
                                f"({self.max_chunk_frames}); send it as several chunks")
+            expected = 0 if found is None else found.frames_in
+            if request.offset is not None and request.offset != expected:
+                raise _refusal(f"the chunk's offset is frame {request.offset}, but the stream has {expected} frames "
+                               f"(a chunk already applied, or one missing); send the chunk that starts at frame "
+                               f"{expected}", "bad_offset")
             stream = self._open(sid) if found is None else found
             try:
                 # push + finish as one unit: a failed end request leaves the stream as it was.
@@ -211,13 +270,10 @@ class StreamTable:
                     stream.close()
                     self._forget(sid, None)
                 raise
-            if request.end:
-                self._forget(sid, "ended (its last request had end=true); start a new stream")
+            self._remember(sid, _Applied(expected, mel.shape[1], audio), request.end)
             return ChunkReply(audio)
         except (MelError, StreamError, OverloadError) as exc:
-            self._count_refusal(refusal_reason(exc))
-            overloaded = wire.OVERLOADED if isinstance(exc, OverloadError) else ""
-            return ChunkReply(_EMPTY, f"{overloaded}stream {shown_id(sid)}: {exc}")
+            return self._refuse(request, exc)
         except Exception as exc:  # noqa: BLE001 - a backend failure: this request fails, the server goes on
             self._count_refusal("internal")
             log.exception("stream %s: request failed", shown_id(sid))
@@ -225,6 +281,40 @@ class StreamTable:
         finally:
             if stream is not None and stream.lost:  # its device caches went in a failed step: it leaves the table
                 self._forget(sid, "lost its device caches in a failed step and was released; start a new stream")
+
+    def _refuse(self, request: ChunkRequest, exc: BaseException) -> ChunkReply:
+        """A refused request's reply (counted by reason); no stream's state was touched."""
+        self._count_refusal(refusal_reason(exc))
+        overloaded = wire.OVERLOADED if isinstance(exc, OverloadError) else ""
+        return ChunkReply(_EMPTY, f"{overloaded}stream {shown_id(request.stream_id)}: {exc}")
+
+    def _replay(self, request: ChunkRequest) -> np.ndarray | None:
+        """The audio of the chunk applied last to this stream (open, or ended by it) when ``request`` resends it (the
+        same offset and frames, and flags that fit), else None."""
+        if request.offset is None:
+            return None
+        with self._lock:
+            applied = self._applied.get(request.stream_id)
+            if applied is None and request.end and not request.start:  # a start re-runs: the same audio anew
+                applied = self._final.get(request.stream_id)
+            if applied is None or (request.start and applied.offset != 0):
+                return None
+            if (applied.offset, applied.frames) != (request.offset, int(np.shape(request.mel)[-1])):
+                return None
+            self.resends_replayed += 1
+            return applied.audio
+
+    def _remember(self, sid: str, applied: _Applied, ended: bool) -> None:
+        """After a chunk was applied: it is the one a resend replays; an end also forgets the open stream."""
+        if not ended:
+            with self._lock:
+                self._applied[sid] = applied
+            return
+        self._forget(sid, "ended (its last request had end=true); start a new stream")
+        with self._lock:
+            self._final[sid] = applied
+            while len(self._final) > FINAL_REPLIES_REMEMBERED:
+                self._final.popitem(last=False)
 
     def _count_refusal(self, reason: str) -> None:
         with self._lock:
@@ -238,6 +328,7 @@ class StreamTable:
             stream = self.vocoder.stream()  # OverloadError at max_streams
             self._streams[sid] = stream
             self._closed.pop(sid, None)
+            self._final.pop(sid, None)
             return stream
 
     def _find(self, sid: str) -> VocoderStream:
@@ -253,6 +344,7 @@ class StreamTable:
     def _forget(self, sid: str, why: str | None) -> None:
         with self._lock:
             self._streams.pop(sid, None)
+            self._applied.pop(sid, None)
             if why is not None:
                 self._closed[sid] = why
                 while len(self._closed) > CLOSED_IDS_REMEMBERED:

@@ -167,6 +167,11 @@ def cudnn_threads_at_most(precision: str, cudnn_algorithms: str | None) -> int:
 OFFLINE_SLOTS = 4
 # The most streams a default (stream_capacity on the CPU) admits, whatever the memory.
 MAX_DEFAULT_STREAMS = 4096
+# On the CPU the default admits the streams its cores keep in real time: the largest batch (doubling from 1) whose
+# step of a typical chunk takes at most this share of the audio it makes (the rest: the host's own work, spread).
+REAL_TIME_STEP_FRAMES = 24
+REAL_TIME_HEADROOM = 0.5
+REAL_TIME_PROBE_BUDGET_S = 5.0  # the measurement stops doubling past this
 # Between 32 and 256 in steps of 1.5x rather than 2x: a batch pads to the next size, and at high load a batched
 # step costs about in proportion to its padded size.
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
@@ -438,6 +443,7 @@ class OrtBackend:
         self._graphs: dict[tuple[int, int, bool], _SlotStep] = {}  # (step size, batch, final) -> captured graph
         self._graphs_enabled = False
         self._pool: SlotPool | None = None
+        self._real_time_streams: int | None = None  # real_time_streams(), measured once
         active = CPU
         if providers[0] != CPU:
             active = self._open_slot_sessions(opts, providers)
@@ -532,9 +538,47 @@ class OrtBackend:
 
     def stream_capacity(self) -> int:
         """How many streams this backend holds at once: the device slots (less a few for offline passes beside the
-        streams), or on the CPU a quarter of the memory available now, at each stream's host caches and pending mel."""
+        streams); on the CPU the fewer of what its cores keep in real time (:meth:`real_time_streams`) and a quarter
+        of the memory available now, at each stream's host caches and pending mel."""
         if self._pool is not None:
             return max(1, self._pool.rows - 1 - OFFLINE_SLOTS)
+        if self.generator_provider != CUDA:
+            return min(self.real_time_streams(), self._streams_in_memory())
+        return self._streams_in_memory()
+
+    def real_time_streams(self) -> int:
+        """How many streams the CPU keeps in real time, measured once (a few seconds): the largest batch, doubling
+        from 1, whose F0 and generator steps of :data:`REAL_TIME_STEP_FRAMES` frames take at most
+        :data:`REAL_TIME_HEADROOM` of the audio they make; at least 1."""
+        if self._real_time_streams is None:
+            import time
+
+            c, frames = self.constants, REAL_TIME_STEP_FRAMES
+            budget = REAL_TIME_HEADROOM * frames * c.samples_per_frame / c.sample_rate
+            best, batch, started = 1, 1, time.perf_counter()
+            while batch <= MAX_DEFAULT_STREAMS and time.perf_counter() - started < REAL_TIME_PROBE_BUDGET_S:
+                if min(self._time_step(frames, batch) for _ in range(2)) > budget:
+                    break
+                best, batch = batch, batch * 2
+            self._real_time_streams = best
+        return self._real_time_streams
+
+    def _time_step(self, frames: int, batch: int) -> float:
+        """Seconds of one F0 step and one generator step of ``frames`` frames over ``batch`` zero rows."""
+        import time
+
+        c = self.constants
+        mel = np.zeros((batch, c.in_channels, frames + c.mel_look_ahead), np.float32)
+        f0 = np.zeros((batch, frames + c.source_look_ahead), np.float32)
+        noise = np.zeros((batch, f0.shape[1] * c.samples_per_frame, c.num_sines), np.float32)
+        phase, first = np.zeros((batch, c.num_sines), np.float64), np.zeros((batch, 1), bool)
+        started = time.perf_counter()
+        self.f0_step(mel[:, :, :frames + c.f0_look_ahead].copy(), self.new_caches("f0", batch))
+        self.generator_step(mel, f0, noise, phase, first, self.new_caches("generator", batch), False)
+        return time.perf_counter() - started
+
+    def _streams_in_memory(self) -> int:
+        """A quarter of the memory available now, at each stream's host caches and pending mel (at least 16)."""
         per_stream = sum(int(np.prod(spec.shape)) * np.dtype(spec.dtype).itemsize
                          for spec in (*self.constants.generator_caches, *self.constants.f0_caches))
         per_stream = 2 * per_stream + (1 << 20)  # the caches twice while a step runs, and a chunk of mel and audio

@@ -28,7 +28,8 @@ from typing import Any
 import numpy as np
 
 from . import wire
-from .server import _reply, _request, shared_libpython_env
+from .server import _reply, chunk_request, shared_libpython_env
+from .supervision import dies_with_parent
 
 log = logging.getLogger("hift_runtime.triton_python")
 # What opens the runtime and its stream table from hift-serve's parsed options (``hift_runtime.server.open_table``).
@@ -42,20 +43,22 @@ from hift_runtime.triton_python import TritonPythonModel  # noqa: E402,F401  (th
 """
 
 
-def _tensor(name: str, dtype: str, dims: list[int], ragged: bool = False) -> str:
-    extra = " allow_ragged_batch: true" if ragged else ""
+def _tensor(name: str, dtype: str, dims: list[int], ragged: bool = False, optional: bool = False) -> str:
+    extra = (" allow_ragged_batch: true" if ragged else "") + (" optional: true" if optional else "")
     return f'  {{ name: "{name}" data_type: {dtype} dims: {dims}{extra} }}'
 
 
 def model_config(model_name: str, *, in_channels: int, max_batch: int, argv: list[str],
-                 opener: str = OPENER) -> str:
+                 opener: str = OPENER, pid_file: str = "") -> str:
     """The model's ``config.pbtxt``: the wire contract's tensors (:mod:`.wire`), Triton's dynamic batcher, one
     instance (one runtime: its streams' state lives in it), hift-serve's options for the model to open with, and
-    the function that opens it (``module:function``; a benchmark's stand-in device names its own). Triton's
+    the function that opens it (``module:function``; a benchmark's stand-in device names its own), and the file the
+    model writes its process id into (hift-serve watches that process). Triton's
     batcher takes what is queued without waiting (``--max-wait-ms`` is the step batcher's, in the options)."""
     inputs = [_tensor(wire.STREAM_ID, "TYPE_STRING", [1]),
               _tensor(wire.MEL, "TYPE_FP32", [in_channels, -1], ragged=True),  # chunks of any length in one batch
-              _tensor(wire.START, "TYPE_BOOL", [1]), _tensor(wire.END, "TYPE_BOOL", [1])]
+              _tensor(wire.START, "TYPE_BOOL", [1]), _tensor(wire.END, "TYPE_BOOL", [1]),
+              _tensor(wire.OFFSET, "TYPE_INT64", [1], optional=True)]
     outputs = [_tensor(wire.AUDIO, "TYPE_FP32", [-1]), _tensor(wire.SAMPLES, "TYPE_INT64", [1]),
                _tensor(wire.SAMPLE_RATE, "TYPE_INT32", [1]), _tensor(wire.ERROR, "TYPE_STRING", [1])]
     return "\n".join([
@@ -66,16 +69,17 @@ def model_config(model_name: str, *, in_channels: int, max_batch: int, argv: lis
         "input [", ",\n".join(inputs), "]", "output [", ",\n".join(outputs), "]",
         "instance_group [ { count: 1 kind: KIND_CPU } ]",
         f"parameters {{ key: \"hift_serve_argv\" value: {{ string_value: {json.dumps(json.dumps(argv))} }} }}",
-        f"parameters {{ key: \"hift_serve_opener\" value: {{ string_value: {json.dumps(opener)} }} }}", ""])
+        f"parameters {{ key: \"hift_serve_opener\" value: {{ string_value: {json.dumps(opener)} }} }}",
+        f"parameters {{ key: \"hift_serve_pid_file\" value: {{ string_value: {json.dumps(pid_file)} }} }}", ""])
 
 
 def write_repository(folder: Path, model_name: str, *, in_channels: int, max_batch: int, argv: list[str],
-                     opener: str = OPENER) -> Path:
+                     opener: str = OPENER, pid_file: str = "") -> Path:
     """``folder/<model_name>/{config.pbtxt, 1/model.py}``; returns ``folder``."""
     model = folder / model_name
     (model / "1").mkdir(parents=True, exist_ok=True)
     (model / "config.pbtxt").write_text(model_config(model_name, in_channels=in_channels, max_batch=max_batch,
-                                                     argv=argv, opener=opener))
+                                                     argv=argv, opener=opener, pid_file=pid_file))
     # This interpreter's import path (its venv's site-packages, PYTHONPATH): the stub embeds the same Python but not
     # necessarily the same environment.
     package_root = str(Path(__file__).resolve().parent.parent)
@@ -106,10 +110,12 @@ def launch(args: Any, argv: list[str], in_channels: int, folder: Path, log_file:
            allow_gpu_metrics: bool, opener: str = OPENER) -> subprocess.Popen:
     """Start ``tritonserver`` over a repository written into ``folder``; its own log goes to ``log_file``, and of
     what it and the model print, hift-serve's lines (warmup progress) to this process's stdout, the rest (Triton's
-    own console lines) to ``log_file`` (:func:`relay_console`)."""
+    own console lines) to ``log_file`` (:func:`relay_console`). It dies with this process (and its model process
+    with it); the model process writes its id into :func:`model_pid_file`."""
     binary, backends, libs = tritonserver_files(folder)
     repository = write_repository(folder / "models", args.model_name, in_channels=in_channels,
-                                  max_batch=args.max_batch, argv=argv, opener=opener)
+                                  max_batch=args.max_batch, argv=argv, opener=opener,
+                                  pid_file=str(model_pid_file(folder)))
     env = dict(os.environ)
     shared_libpython_env(env, [str(libs)])
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
@@ -122,10 +128,23 @@ def launch(args: Any, argv: list[str], in_channels: int, folder: Path, log_file:
            # The model's warmup (compiling, capturing) can take minutes: Triton must not give up on it.
            "--backend-config=python,stub-timeout-seconds=3600"]
     process = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               errors="replace", start_new_session=True)
+                               errors="replace", start_new_session=True, preexec_fn=dies_with_parent())
     threading.Thread(target=relay_console, args=(process.stdout, log_file), name="tritonserver-console",
                      daemon=True).start()
     return process
+
+
+def model_pid_file(folder: Path) -> Path:
+    """Where the model process (Triton's Python-backend stub) writes its process id as it starts."""
+    return folder / "model.pid"
+
+
+def model_pid(folder: Path) -> int | None:
+    """The model process's id, once it has written it."""
+    try:
+        return int(model_pid_file(folder).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def relay_console(lines: Any, log_file: Path) -> None:
@@ -150,6 +169,12 @@ def load_failure(log_text: str, model_name: str) -> str | None:
     return None
 
 
+def _input(pb: Any, request: Any, name: str) -> np.ndarray | None:
+    """A request's input as NumPy (None: an optional input the client did not send)."""
+    tensor = pb.get_input_tensor_by_name(request, name)
+    return None if tensor is None else tensor.as_numpy()
+
+
 class TritonPythonModel:
     """Triton's Python-backend model (the class ``model.py`` exposes): opens the runtime as hift-serve would (its
     options travel in the config's ``hift_serve_argv``), serves each Triton batch through the stream table."""
@@ -167,6 +192,9 @@ class TritonPythonModel:
         sys.setswitchinterval(HANDOFF_SWITCH_INTERVAL_S)
         keep_freed_memory()
         parameters = json.loads(args["model_config"])["parameters"]
+        pid_file = parameters.get("hift_serve_pid_file", {}).get("string_value")
+        if pid_file:  # first: hift-serve watches this process from its start (warmup included)
+            Path(pid_file).write_text(str(os.getpid()))
         options = _parser().parse_args(json.loads(parameters["hift_serve_argv"]["string_value"]))
         module, function = parameters["hift_serve_opener"]["string_value"].split(":")
         self.vocoder, self.table = getattr(importlib.import_module(module), function)(options)
@@ -182,8 +210,7 @@ class TritonPythonModel:
         its push is done, so Triton gives this instance the next batch while this one steps (batches pipeline in
         one runtime, as the in-process scheduler's pushes do)."""
         pb = self._pb
-        chunks = [_request({name: pb.get_input_tensor_by_name(r, name).as_numpy()
-                            for name in (wire.STREAM_ID, wire.MEL, wire.START, wire.END)}) for r in requests]
+        chunks = [chunk_request({name: _input(pb, r, name) for name in wire.INPUTS}) for r in requests]
         senders = [r.get_response_sender() for r in requests]
         self.table.submit(chunks, lambda i, reply: self._replies.put((senders[i], reply)))
         return None

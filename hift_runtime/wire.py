@@ -5,7 +5,15 @@ One request = one chunk of one stream (Triton batch axis first, batch size 1 per
 * ``stream_id`` BYTES ``[1]``: the stream's id (any UTF-8 string, unique among open streams);
 * ``mel`` FP32 ``[80, T]``, ``T >= 1``: natural-log mel frames (PyTriton cannot carry a zero-length tensor, so the
   ``end`` flag travels with the last chunk);
-* ``start`` BOOL ``[1]``: this chunk opens the stream; ``end`` BOOL ``[1]``: the stream ends after it.
+* ``start`` BOOL ``[1]``: this chunk opens the stream; ``end`` BOOL ``[1]``: the stream ends after it;
+* ``offset`` INT64 ``[1]`` (optional; the clients always send it): the stream's frames sent before this chunk, the
+  chunk's idempotency key. The server applies a chunk only at the stream's frame count; a resend of the chunk it
+  applied last (a retry after a timeout: same offset, same frames) gets that chunk's audio again and applies nothing;
+  any other offset is refused, naming the frame expected. Without it a resend is applied again.
+
+A request is one row (batch size 1): one with more rows is refused as a whole. A stream id that is not valid UTF-8
+is refused; ids are compared as bytes. A stream may have at most 8 requests in flight (queued or running); more are
+refused at once.
 
 Reply: ``audio`` FP32 ``[N]`` whose first ``samples`` (INT64 ``[1]``) values are the audio this chunk released (an
 empty release comes back as one padding sample with ``samples = 0``), ``sample_rate`` INT32 ``[1]``, and ``error``
@@ -26,7 +34,8 @@ MODEL_NAME = "hift_vocoder"
 # The client also sends the stream id as this request header (HTTP header / gRPC metadata): what a load balancer in
 # front of several servers hashes to keep a stream on the server that holds its state.
 STREAM_HEADER = "hift-stream-id"
-STREAM_ID, MEL, START, END = "stream_id", "mel", "start", "end"
+STREAM_ID, MEL, START, END, OFFSET = "stream_id", "mel", "start", "end", "offset"
+INPUTS = (STREAM_ID, MEL, START, END, OFFSET)
 AUDIO, SAMPLES, SAMPLE_RATE, ERROR = "audio", "samples", "sample_rate", "error"
 DEFAULT_HTTP_PORT, DEFAULT_GRPC_PORT, DEFAULT_METRICS_PORT = 8000, 8001, 8002
 DEFAULT_STATE_METRICS_PORT = 8003  # hift-serve's own metrics, beside Triton's (server_metrics.py)

@@ -207,7 +207,8 @@ def test_export_replaces_the_whole_folder(small_artifacts, tmp_path):
     wrote, and an export's start removes the staging folders of an export that was killed."""
     import shutil
 
-    from hift_export.export import _remove_stale_siblings, _swap_into_place
+    from hift_export.export import _export_names
+    from hift_export.folder_swap import recover_stale_siblings, swap_into_place
 
     out = tmp_path / "artifacts"
     shutil.copytree(small_artifacts.out, out)
@@ -217,13 +218,13 @@ def test_export_replaces_the_whole_folder(small_artifacts, tmp_path):
     onnx_only = [ARTIFACT_FILES[r] for r in (*ONNX_ROLES, *SLOT_ROLES, GENERATOR_WEIGHTS)] + [MANIFEST_NAME]
     for name in onnx_only:
         shutil.copy(small_artifacts.out / name, staging / name)
-    _swap_into_place(staging, out)
+    swap_into_place(staging, out, _export_names())
     assert sorted(p.name for p in out.iterdir()) == sorted(onnx_only + ["README.md"])
     assert (out / "README.md").read_text() == "mine"
     assert [p.name for p in tmp_path.iterdir()] == ["artifacts"]  # no staging or old folder left
     (tmp_path / ".artifacts.staging-killed").mkdir()
     (tmp_path / ".artifacts.old-killed").mkdir()
-    _remove_stale_siblings(out)
+    recover_stale_siblings(out, _export_names())
     assert [p.name for p in tmp_path.iterdir()] == ["artifacts"]
 
 

@@ -164,7 +164,7 @@ def test_a_sharded_stream_refused_for_room_starts_on_the_next_server_and_stays_t
         def __init__(self, url: str, full: bool) -> None:
             self.url, self.full, self.calls = url, full, []
 
-        def infer(self, stream_id, mel, start, end):
+        def infer(self, stream_id, mel, start, end, offset=None):
             self.calls.append((stream_id, start, end))
             if self.full and start:
                 raise wire.ServerOverloaded(f"{wire.OVERLOADED}stream {stream_id!r}: 2 streams are open, the limit")
@@ -195,8 +195,8 @@ def test_a_sharded_stream_refused_for_room_starts_on_the_next_server_and_stays_t
     from hift_runtime.client import AsyncShardedClient
 
     class FakeAsyncServer(FakeServer):  # the asyncio client's streams: the same bookkeeping, awaited
-        async def infer(self, stream_id, mel, start, end):
-            return FakeServer.infer(self, stream_id, mel, start, end)
+        async def infer(self, stream_id, mel, start, end, offset=None):
+            return FakeServer.infer(self, stream_id, mel, start, end, offset)
 
     aclient = AsyncShardedClient.__new__(AsyncShardedClient)
     aclient.clients = [FakeAsyncServer(f"h{i}:8001", full=False) for i in range(3)]
