@@ -1,0 +1,211 @@
+"""``hift-serve`` when its own processes die (CPU, reduced model, the default front end): a dead model process stops
+the server in one line and readiness with it; ``kill -9`` of hift-serve takes tritonserver and the model along and
+the next server starts on the same ports; with ``--processes 2`` a dead process is started again while the other
+one's streams go on; a chunk resent after a client timeout is applied once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hift_runtime.supervision import OWNER_FILE, process_alive
+
+from .conftest import ROOT, max_abs
+from .test_serve import SERVED_TOLERANCE, _all_free, _chunks, _free_ports, _mel
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process supervision is Linux's")
+
+
+def _ports(processes: int = 1) -> list[int]:
+    while True:
+        ports = _free_ports(4)
+        if _all_free([p + 10 * i for p in ports for i in range(1, processes)]):
+            return ports
+
+
+def _start(artifacts: Path, ports: list[int], log: Path, *options: str) -> subprocess.Popen:
+    http, grpc, metrics, state = ports
+    cmd = [sys.executable, "-m", "hift_runtime.server", "--artifacts", str(artifacts), "--device", "cpu",
+           "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
+           "--state-metrics-port", str(state), "--max-batch", "8", "--max-streams", "16", *options]
+    with open(log, "w") as out:
+        return subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        time.sleep(0.1)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _model_pid(supervisor: int) -> int:
+    """The model process (Triton's Python-backend stub) of the hift-serve process ``supervisor``."""
+    for folder in Path(tempfile.gettempdir()).glob("hift-serve-*"):
+        try:
+            if int((folder / OWNER_FILE).read_text()) == supervisor:
+                return int((folder / "model.pid").read_text())
+        except (OSError, ValueError):
+            continue
+    raise AssertionError(f"no model pid for hift-serve {supervisor}")
+
+
+def _ready(http: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/models/hift_vocoder/ready", timeout=2) as reply:
+            return reply.status == 200
+    except OSError:
+        return False
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@pytest.fixture(scope="module")
+def cpu(small_artifacts):
+    from hift_runtime import open_vocoder
+
+    with open_vocoder(small_artifacts.out, device="cpu") as v:
+        yield v
+
+
+def test_killed_server_takes_its_children_along_and_a_dead_model_stops_the_next(small_artifacts, tmp_path, cpu):
+    pytest.importorskip("pytriton", reason="hift-serve needs the [serve] extra (nvidia-pytriton)")
+    from hift_runtime.client import ServerClient
+    from hift_runtime.wire import ServerError
+
+    ports = _ports()
+    first = _start(small_artifacts.out, ports, tmp_path / "first.log")
+    try:
+        _wait_for(lambda: "ready (" in (tmp_path / "first.log").read_text() or first.poll() is not None, 120,
+                  "the first server ready")
+        assert first.poll() is None, (tmp_path / "first.log").read_text()[-2000:]
+        tritonserver, model = _children(first.pid), _model_pid(first.pid)
+        assert tritonserver and process_alive(model)
+        first.kill()  # kill -9: no handler runs in hift-serve
+        first.wait()
+        _wait_for(lambda: not any(map(process_alive, [*tritonserver, model])) and _all_free(ports), 15,
+                  "tritonserver and the model process gone, every port free")
+    finally:
+        _stop(first)
+    stale = [f for f in Path(tempfile.gettempdir()).glob("hift-serve-*")
+             if (f / OWNER_FILE).is_file() and (f / OWNER_FILE).read_text() == str(first.pid)]
+    assert stale, "the killed server's folder is expected to be left until the next start"
+
+    second = _start(small_artifacts.out, ports, tmp_path / "second.log")
+    try:
+        _wait_for(lambda: "ready (" in (tmp_path / "second.log").read_text() or second.poll() is not None, 120,
+                  "a server on the same ports ready")
+        assert second.poll() is None, (tmp_path / "second.log").read_text()[-2000:]
+        assert not any(f.exists() for f in stale), "the stale folder was not removed"
+        client = ServerClient(f"127.0.0.1:{ports[1]}")
+        mel = _mel(np.random.default_rng(5), 40)
+        stream = client.stream("before-the-death")
+        stream.push(mel[:, :20])
+        os.kill(_model_pid(second.pid), signal.SIGKILL)
+        assert second.wait(timeout=15) == 1
+        log = (tmp_path / "second.log").read_text()
+        errors = [line for line in log.splitlines() if line.startswith("hift-serve: error:")]
+        assert len(errors) == 1 and "the model process" in errors[0] and "died" in errors[0], log[-2000:]
+        assert not _ready(ports[0]) and _all_free(ports)
+        with pytest.raises(ServerError):  # its client is told: the server is gone, not wrong audio
+            stream.push(mel[:, 20:], end=True)
+    finally:
+        _stop(second)
+
+
+def test_a_dead_process_of_several_is_started_again_and_the_other_streams_go_on(small_artifacts, tmp_path, cpu):
+    pytest.importorskip("pytriton", reason="hift-serve needs the [serve] extra (nvidia-pytriton)")
+    from hift_runtime.client import ServerClient
+
+    ports = _ports(2)
+    log = tmp_path / "serve.log"
+    supervisor = _start(small_artifacts.out, ports, log, "--processes", "2")
+    try:
+        _wait_for(lambda: "ready in 2 processes" in log.read_text() or supervisor.poll() is not None, 180,
+                  "two processes ready")
+        assert supervisor.poll() is None, log.read_text()[-2000:]
+        survivor = ServerClient(f"127.0.0.1:{ports[1]}")
+        mel = _mel(np.random.default_rng(6), 60)
+        parts = _chunks(mel, 20)
+        stream = survivor.stream("on-process-0")
+        audio = [stream.push(parts[0])]
+        children = _children(supervisor.pid)
+        dead = next(c for c in children if f"--grpc-port {ports[1] + 10}" in
+                    " ".join(Path(f"/proc/{c}/cmdline").read_text().split("\0")))
+        its_triton = _children(dead)
+        os.kill(dead, signal.SIGKILL)
+        _wait_for(lambda: log.read_text().count("' ready (") >= 3 or supervisor.poll() is not None, 120,
+                  "process 1 ready again")
+        assert supervisor.poll() is None, log.read_text()[-2000:]
+        assert "process 1 exited with status -9; the streams it held are lost; starting it again" in log.read_text()
+        assert not any(map(process_alive, its_triton))
+        audio += [stream.push(parts[1]), stream.push(parts[2], end=True)]  # process 0's stream was not cut
+        assert max_abs(np.concatenate(audio), cpu.vocode(mel)) <= SERVED_TOLERANCE
+        restarted = ServerClient(f"127.0.0.1:{ports[1] + 10}")
+        assert max_abs(restarted.stream("on-process-1").push(mel, end=True), cpu.vocode(mel)) <= SERVED_TOLERANCE
+    finally:
+        _stop(supervisor)
+    assert supervisor.returncode == 0
+
+
+def test_a_chunk_resent_after_a_client_timeout_is_applied_once(small_artifacts, tmp_path, cpu):
+    """Every reply is lost after the server applied the chunk (what a client timeout does): the client resends the
+    chunk with its offset, the server answers from what it made, and the stream equals the offline pass."""
+    pytest.importorskip("pytriton", reason="hift-serve needs the [serve] extra (nvidia-pytriton)")
+    from hift_runtime.client import ServerClient
+
+    ports = _ports()
+    log = tmp_path / "serve.log"
+    server = _start(small_artifacts.out, ports, log)
+    try:
+        _wait_for(lambda: "ready (" in log.read_text() or server.poll() is not None, 120, "the server ready")
+        assert server.poll() is None, log.read_text()[-2000:]
+        client = ServerClient(f"127.0.0.1:{ports[1]}", retries=1)
+        send, sent = client._client.infer, []
+
+        def reply_lost(*args, **kwargs):
+            sent.append(send(*args, **kwargs))  # the server applied it; its reply never reaches the client
+            if len(sent) % 2:
+                raise TimeoutError("Deadline Exceeded")
+            return sent[-1]
+
+        client._client.infer = reply_lost
+        mel = _mel(np.random.default_rng(7), 90)
+        stream = client.stream("impatient")
+        audio = np.concatenate([stream.push(part, end=k == 2) for k, part in enumerate(_chunks(mel, 30))])
+        assert len(sent) == 6 and max_abs(audio, cpu.vocode(mel)) <= SERVED_TOLERANCE
+        state = urllib.request.urlopen(f"http://127.0.0.1:{ports[3]}/metrics", timeout=10).read().decode()
+        resends = sum(float(line.rsplit(" ", 1)[1]) for line in state.splitlines()
+                      if line.startswith("hift_resends_replayed"))
+        assert resends == 3
+    finally:
+        _stop(server)
