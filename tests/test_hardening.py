@@ -41,12 +41,24 @@ class FaultyBackend:
         self.gate, self.held = threading.Event(), threading.Event()
         self.delay = 0.0
         self.calls: list[str] = []
+        self.shapes: list[tuple[str, int]] = []  # (kind, mel frames) of every call, in the device's order
+        self._pauses: dict[int, tuple[threading.Event, threading.Event]] = {}
+
+    def pause(self, call: int) -> tuple[threading.Event, threading.Event]:
+        """Hold the ``call``-th call (from 0) on the device: ``(reached, go)``, set when it arrives / to let it run."""
+        self._pauses[call] = (threading.Event(), threading.Event())
+        return self._pauses[call]
 
     def new_caches(self, kind, batch=1):
         return self.inner.new_caches(kind, batch)
 
     def _enter(self, kind: str, mel: np.ndarray) -> None:
         self.calls.append(kind)
+        self.shapes.append((kind, mel.shape[2]))
+        if len(self.shapes) - 1 in self._pauses:
+            reached, go = self._pauses[len(self.shapes) - 1]
+            reached.set()
+            assert go.wait(30)
         if kind in self.hold:
             self.held.set()
             assert self.gate.wait(30)
@@ -68,11 +80,11 @@ def cpu(small_artifacts):
     return open_vocoder(small_artifacts.out, device="cpu")
 
 
-def faulty_vocoder(cpu, batching=False, caches_in_place=False, max_wait_s=0.003, **kwargs):
+def faulty_vocoder(cpu, batching=False, caches_in_place=False, max_wait_s=0.003, max_batch=8, **kwargs):
     backend = FaultyBackend(cpu.backend, caches_in_place)
     vocoder = StreamingVocoder(backend, cpu.constants, **kwargs)
     if batching:
-        vocoder.scheduler = PushScheduler(backend, max_batch=8, max_wait_s=max_wait_s,
+        vocoder.scheduler = PushScheduler(backend, max_batch=max_batch, max_wait_s=max_wait_s,
                                           pushes_in_progress=lambda: vocoder.pushes_in_progress)
     return vocoder, backend
 
@@ -224,9 +236,27 @@ def test_the_server_defaults_max_streams_to_what_the_device_holds(small_artifact
 
     args = _parser().parse_args(["--artifacts", str(small_artifacts.out), "--device", "cpu"])
     vocoder, table = open_table(args)
-    assert vocoder.max_streams == vocoder.backend.stream_capacity() >= 16
+    backend = vocoder.backend
+    assert vocoder.max_streams == backend.stream_capacity() == min(backend.real_time_streams(),
+                                                                   backend._streams_in_memory()) >= 1
     assert table.max_chunk_frames == args.max_chunk_frames == 1000
     table.close()
+    vocoder.close()
+
+
+def test_the_cpu_holds_as_many_streams_as_its_cores_keep_in_real_time(small_artifacts, monkeypatch):
+    """Not the memory's thousands: the largest doubling batch whose 24-frame steps take at most half their audio."""
+    from hift_runtime.sessions import REAL_TIME_HEADROOM, REAL_TIME_STEP_FRAMES
+
+    vocoder = open_vocoder(small_artifacts.out, device="cpu")
+    backend, c = vocoder.backend, vocoder.constants
+    budget = REAL_TIME_HEADROOM * REAL_TIME_STEP_FRAMES * c.samples_per_frame / c.sample_rate
+    timed: list[int] = []
+    monkeypatch.setattr(backend, "_time_step", lambda frames, batch: timed.append(batch) or batch * budget / 20)
+    assert backend.real_time_streams() == 16 and timed[-1] == 32  # 32 rows take 1.6 budgets: stop there
+    assert backend.stream_capacity() == min(16, backend._streams_in_memory())
+    backend.real_time_streams()
+    assert len(timed) == 2 * 6  # measured once (each batch timed twice)
     vocoder.close()
 
 
@@ -383,6 +413,47 @@ def test_idle_time_counts_from_the_end_of_the_last_push(cpu):
     assert vocoder.reap() == 1 and stream.expired
 
 
+@pytest.mark.parametrize("batching", [False, True])
+def test_apush_counts_idle_time_from_its_own_end(cpu, batching):
+    """A stream served only through ``apush`` is active, not idle: it never expires between its pushes."""
+    vocoder, backend = faulty_vocoder(cpu, batching=batching, idle_timeout_s=0.3)
+    stream = vocoder.stream()
+
+    async def scenario():
+        for seed in range(3):
+            await asyncio.sleep(0.2)
+            backend.delay = 0.1
+            await stream.apush(random_mel(24, seed=42 + seed))
+            backend.delay = 0.0
+            assert vocoder.reap() == 0 and not stream.expired
+
+    asyncio.run(scenario())
+    vocoder.close()
+
+
+def holds_state(stream) -> bool:
+    return any(x is not None for x in (stream._mel, stream._f0, stream._gen_caches, stream._f0_caches))
+
+
+@pytest.mark.parametrize("how", ["close", "expire", "finish"])
+def test_a_stream_that_ends_gives_its_state_back(cpu, how):
+    vocoder, _ = faulty_vocoder(cpu, idle_timeout_s=0.1)
+    stream = vocoder.stream()
+    stream.push(random_mel(30, seed=43))
+    assert holds_state(stream) and vocoder.open_streams == 1
+    if how == "close":
+        stream.close()
+    elif how == "expire":
+        time.sleep(0.2)
+        assert vocoder.reap() == 1
+    else:
+        stream.finish()
+    assert vocoder.open_streams == 0
+    if how != "finish":  # a finished stream's few bytes go with the object; a dropped one's at once
+        assert not holds_state(stream)
+    vocoder.close()
+
+
 # ---- 8. counters --------------------------------------------------------------------------------------------------
 class InstantBackend:
     """Zeros of the right shapes at once: the scheduler's own cost alone."""
@@ -507,3 +578,120 @@ def test_a_switch_interval_is_shortened_for_a_block_and_restored():
             assert sys.getswitchinterval() == pytest.approx(0.0001)
     finally:
         sys.setswitchinterval(own)
+
+
+def _push_in_thread(vocoder, mel, outcome: dict, key, cancel=None, stream=None):
+    stream = stream or vocoder.stream()
+    thread = threading.Thread(target=lambda: outcome.__setitem__(key, _call(stream.push, mel, cancel)))
+    thread.start()
+    return thread
+
+
+def _handed_over(vocoder, count: int) -> None:
+    deadline = time.monotonic() + 10
+    while len(vocoder.scheduler._handed_over) < count:
+        assert time.monotonic() < deadline, "the pushes were not handed over"
+        time.sleep(0.005)
+    time.sleep(0.02)  # and taken in by the scheduler
+
+
+def test_the_call_that_waited_longest_runs_first(cpu):
+    """Calls of three streams pile up behind a call on the device: they run in the order they became ready (newest
+    first would starve the oldest), each stream's next call after the others'."""
+    vocoder, backend = faulty_vocoder(cpu, batching=True)
+    reached, go = backend.pause(0)
+    outcome: dict = {}
+    threads = [_push_in_thread(vocoder, random_mel(10, seed=60), outcome, "x")]
+    assert reached.wait(10)
+    for n, frames in enumerate((20, 30, 40)):
+        threads.append(_push_in_thread(vocoder, random_mel(frames, seed=61 + n), outcome, frames))
+        _handed_over(vocoder, n + 2)
+    go.set()
+    for t in threads:
+        t.join(10)
+    assert all(isinstance(v, np.ndarray) for v in outcome.values()), outcome
+    assert backend.shapes[:8] == [("f0", 10), ("f0", 20), ("f0", 30), ("f0", 40),
+                                  ("generator", 10), ("generator", 20), ("generator", 30), ("generator", 40)]
+    vocoder.close()
+
+
+def test_a_batch_never_exceeds_max_batch(cpu):
+    vocoder, backend = faulty_vocoder(cpu, batching=True, max_batch=2)
+    reached, go = backend.pause(0)
+    outcome: dict = {}
+    threads = [_push_in_thread(vocoder, random_mel(10, seed=62), outcome, "x")]
+    assert reached.wait(10)
+    for n in range(5):  # five calls of one shape ready at once
+        threads.append(_push_in_thread(vocoder, random_mel(20, seed=63 + n), outcome, n))
+    _handed_over(vocoder, 6)
+    go.set()
+    for t in threads:
+        t.join(10)
+    assert all(isinstance(v, np.ndarray) for v in outcome.values()), outcome
+    stats = vocoder.scheduler.stats
+    assert stats.max_batch == 2 and stats.by_shape["f0@20"][:2] == [5, 3]
+    vocoder.close()
+
+
+def test_a_push_cancelled_while_ready_after_an_in_place_write_completes(cpu):
+    """Cancelled while it waits for the device between two calls, a push that already wrote in-place caches runs to
+    its end (stopping it would leave the caches ahead of its stream)."""
+    vocoder, backend = faulty_vocoder(cpu, batching=True, caches_in_place=True)
+    mel = random_mel(130, seed=64)
+    stream, token, outcome = vocoder.stream(), CancelToken(), {}
+    # A's 100-frame push: f0, f0, generator (writes caches), generator. Hold its first generator call, let B's call
+    # become ready meanwhile: B's call goes to the device first and A waits, ready, when it is cancelled.
+    reached, go = backend.pause(2)
+    reached_b, go_b = backend.pause(3)
+    pushing = _push_in_thread(vocoder, mel[:, :100], outcome, "a", token, stream)
+    assert reached.wait(10)
+    other = _push_in_thread(vocoder, random_mel(10, seed=65), outcome, "b")
+    _handed_over(vocoder, 2)
+    go.set()
+    assert reached_b.wait(10) and backend.shapes[3] == ("f0", 10)
+    token.cancel()
+    time.sleep(0.1)  # the scheduler has taken the cancellation in
+    go_b.set()
+    pushing.join(10)
+    other.join(10)
+    assert isinstance(outcome["a"], np.ndarray) and stream.frames_in == 100 and not stream.lost, outcome
+    audio = np.concatenate([outcome["a"], stream.finish(mel[:, 100:])])
+    assert max_abs(audio, cpu.vocode(mel)) <= TOLERANCE
+    vocoder.close()
+
+
+def test_a_long_push_does_not_stall_a_real_time_neighbour(cpu):
+    """A stream pushing 1 000-frame chunks back to back beside one pushing 24 frames: the small one's pushes take at
+    most 3x as long as alone (each of its calls waits for at most one of the long push's steps; the long push's
+    whole length, 32 calls, would be ~10x)."""
+    vocoder, backend = faulty_vocoder(cpu, batching=True)
+    backend.delay = 0.02  # each call costs the device a fixed time: the bound is the scheduler's, not the CPU's
+
+    def real_time_latency() -> float:
+        stream, times = vocoder.stream(), []
+        for n in range(8):
+            started = time.monotonic()
+            stream.push(random_mel(24, seed=70 + n))
+            times.append(time.monotonic() - started)
+        stream.close()
+        return float(np.median(times[1:]))
+
+    alone = real_time_latency()
+    stop, heavy_pushes = threading.Event(), []
+
+    def heavy():
+        stream = vocoder.stream()
+        while not stop.is_set():
+            stream.push(random_mel(1000, seed=80))
+            heavy_pushes.append(1)
+
+    worker = threading.Thread(target=heavy)
+    worker.start()
+    time.sleep(0.1)
+    try:
+        beside = real_time_latency()
+    finally:
+        stop.set()
+        worker.join(30)
+    assert beside <= 3 * alone, f"a 24-frame push took {beside * 1e3:.0f} ms beside a long one, {alone * 1e3:.0f} alone"
+    vocoder.close()

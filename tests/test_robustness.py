@@ -6,6 +6,7 @@ import json
 import shutil
 import threading
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -189,6 +190,95 @@ def test_vocode_cli_on_damaged_artifacts_is_one_line(artifacts_copy, tmp_path, c
                  str(tmp_path / "a.wav"), "--quiet"])
     err = capsys.readouterr().err
     assert code == 2 and "hift_f0_step.onnx" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def _bytes_as_string(data):
+    data["artifacts"][GENERATOR_STEP]["bytes"] = str(data["artifacts"][GENERATOR_STEP]["bytes"])
+
+
+def _artifacts_as_list(data):
+    data["artifacts"] = []
+
+
+def _bytes_as_bool(data):
+    data["artifacts"][F0_STEP]["bytes"] = True
+
+
+def _channels_as_float(data):
+    data["config"]["in_channels"] = 80.0
+
+
+def _caches_as_object(data):
+    data["step"]["generator_caches"] = {}
+
+
+def _cache_shape_of_strings(data):
+    data["step"]["f0_caches"][0]["shape"] = ["80", 8]
+
+
+@pytest.mark.parametrize("edit, field", [
+    (_bytes_as_string, f"manifest.artifacts.{GENERATOR_STEP}.bytes must be an integer, not str"),
+    (_artifacts_as_list, "manifest.artifacts must be an object"),
+    (_bytes_as_bool, f"manifest.artifacts.{F0_STEP}.bytes must be an integer, not bool"),
+    (_channels_as_float, "manifest.config.in_channels must be an integer, not float"),
+    (_caches_as_object, "manifest.step.generator_caches must be a list"),
+    (_cache_shape_of_strings, "manifest.step.f0_caches[0].shape[0] must be an integer, not str"),
+], ids=["bytes_string", "artifacts_list", "bytes_bool", "channels_float", "caches_object", "shape_strings"])
+def test_a_malformed_manifest_is_one_refusal_naming_the_field(artifacts_copy, edit, field):
+    data = _manifest(artifacts_copy)
+    edit(data)
+    _write_manifest(artifacts_copy, data)
+    with pytest.raises(ArtifactError) as refused:
+        open_vocoder(artifacts_copy)
+    assert field in str(refused.value) and len(str(refused.value).splitlines()) == 1
+
+
+def _point_at(data, role, name):
+    data["artifacts"][role]["file"] = name
+
+
+@pytest.mark.parametrize("name", ["/etc/passwd", "../../../../etc/passwd", "sub/../../outside.onnx", ""],
+                         ids=["absolute", "dotdot", "dotdot_inside", "empty"])
+@pytest.mark.parametrize("role", [F0_STEP, "ts_f0_step"])
+def test_a_manifest_naming_a_file_outside_the_folder_is_refused_before_reading_it(artifacts_copy, monkeypatch, role,
+                                                                                 name):
+    data = _manifest(artifacts_copy)
+    if role not in data["artifacts"]:
+        pytest.skip(f"no {role} in this export")
+    _point_at(data, role, name)
+    _write_manifest(artifacts_copy, data)
+    touched = []
+    real_stat = Path.stat
+    monkeypatch.setattr(Path, "stat", lambda self, *a, **k: (touched.append(str(self)), real_stat(self, *a, **k))[1])
+    with pytest.raises(ArtifactError, match="not a plain name inside the artifacts folder"):
+        open_vocoder(artifacts_copy)
+    assert not [t for t in touched if "passwd" in t or "outside" in t], touched
+
+
+def test_a_link_leading_outside_the_folder_is_refused_even_with_a_matching_digest(artifacts_copy, tmp_path):
+    from hift_runtime.manifest import sha256_file
+
+    outside = tmp_path / "outside.onnx"
+    shutil.copy(artifacts_copy / "hift_f0_step.onnx", outside)
+    (artifacts_copy / "hift_f0_step.onnx").unlink()
+    (artifacts_copy / "hift_f0_step.onnx").symlink_to(outside)
+    data = _manifest(artifacts_copy)
+    assert data["artifacts"][F0_STEP]["sha256"] == sha256_file(outside)  # size and digest match: still refused
+    with pytest.raises(ArtifactError, match="leads outside the artifacts folder"):
+        open_vocoder(artifacts_copy)
+
+
+def test_hift_vocode_on_a_malformed_manifest_exits_2_in_one_line(artifacts_copy, tmp_path, capsys):
+    from hift_runtime.cli import main
+
+    data = _manifest(artifacts_copy)
+    _bytes_as_string(data)
+    _write_manifest(artifacts_copy, data)
+    np.save(tmp_path / "mel.npy", random_mel(20))
+    code = main(["--artifacts", str(artifacts_copy), "--mel", str(tmp_path / "mel.npy"), "--out",
+                 str(tmp_path / "a.wav"), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and "bytes must be an integer" in err and len(err.strip().splitlines()) == 1
 
 
 # ---- load ----------------------------------------------------------------------------------------------------------
