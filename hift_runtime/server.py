@@ -146,8 +146,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--processes", type=int, default=1,
                    help="server processes on this machine, each its own Triton and runtime on the same device(s), "
                         "process i on every port + 10 x i; clients shard streams by id over their gRPC addresses "
-                        "(one process answers ~660 requests/s; default 1; on a GPU with the compiled engine use 2: "
-                        "on an H200 two kept 384-512 real-time streams where one kept 256)")
+                        "(default 1; on a GPU with the compiled engine use 2); a process that dies once all were ready is "
+                        "started again, its streams lost")
     p.add_argument("--cudnn-threads", type=int, default=None,
                    help="the compiled engine's warmup: threads that choose cuDNN's convolution algorithms (default: "
                         "one per 8 GiB of free GPU memory, at most 8, or 1 where cuDNN's benchmark chooses in fp32 "
@@ -171,7 +171,8 @@ def _parser() -> argparse.ArgumentParser:
                         "of 2, its p95 higher below capacity (BENCHMARKS.md)")
     p.add_argument("--max-streams", type=int, default=None,
                    help="open streams at most; a start beyond it is refused with an overload message (default: what "
-                        "the device holds: its cache slots on the GPU, a quarter of the free memory on the CPU)")
+                        "the device holds: its cache slots on the GPU; on the CPU what its cores keep in real time, "
+                        "measured at start, within a quarter of the free memory)")
     p.add_argument("--max-chunk-frames", type=int, default=MAX_CHUNK_FRAMES,
                    help=f"the longest chunk one request may carry, in frames (default {MAX_CHUNK_FRAMES}: 20 s)")
     p.add_argument("--idle-timeout-s", type=float, default=60.0,

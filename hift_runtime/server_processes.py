@@ -10,7 +10,8 @@ shard streams by id over the processes' gRPC addresses (``ShardedClient``, or a 
 Process ``i`` listens on every port given plus ``i * PORT_STRIDE`` (defaults: 8000-8003, 8010-8013, ...), opens at
 most ``ceil(max_streams / N)`` streams, chooses cuDNN's algorithms at warmup in its share of the threads
 (``cudnn_threads_at_most // N``: their warmups run at once on the GPU), and writes Triton's log to
-``--triton-log`` with ``.i`` appended.
+``--triton-log`` with ``.i`` appended. A process that dies once all were ready is started again (its streams are
+lost; the others' go on); every process, its Triton and its model process die with this supervisor.
 """
 
 from __future__ import annotations

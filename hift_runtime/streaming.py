@@ -57,9 +57,10 @@ from .noise import NoiseTable
 # Outside this range the input is almost certainly not upstream's natural-log mel (log(clamp(., 1e-5)) >= -11.5).
 LOG_MEL_RANGE = (-30.0, 15.0)
 PHASE_MODES = ("upstream", "wrapped")
-# Without fixed step sizes (the CPU), a push's steps are at most this long: a step's activations grow with its length
-# (a 4 000-frame step took +1.4 GB on the reduced model), 64 frames keep them small at no measurable cost per frame.
-MAX_STEP_FRAMES = 64
+# Without fixed step sizes (the CPU), a push's steps are at most this long: a step's activations grow with its length,
+# and a neighbour's call waits for at most one step; 24 frames (a real-time chunk's) cost no more per frame than 64
+# and let a long push's steps batch with real-time ones (BENCHMARKS.md, "a long push beside a real-time stream").
+MAX_STEP_FRAMES = 24
 
 
 class StreamError(RuntimeError):
