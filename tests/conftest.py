@@ -81,25 +81,56 @@ def reduced_config():
 
 
 _EXPORTS: dict[str, tuple[Path, object]] = {}
+_EXPORTS_LOCK = __import__("threading").Lock()  # the full-size export may be started from a thread
+_EXPORTS_CLOSED: list[bool] = []  # set at the session's end
 _EXPORT_ARGS = {"small": ["--reduced"], "full": ["--checkpoint", str(CHECKPOINT)]}
 
 
+def _exports_needed(item) -> int:
+    """0: the test needs no export; 1: the reduced one; 2: the full-size one."""
+    names = list(getattr(item, "fixturenames", ()))
+    callspec = getattr(item, "callspec", None)  # a test parametrized by export asks for it by name (``which``)
+    if callspec is not None and callspec.params.get("which") in _EXPORT_ARGS:
+        names.append(f"{callspec.params['which']}_artifacts")
+    return 2 if "full_artifacts" in names else 1 if "small_artifacts" in names else 0
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """Tests that need no export first (they run while the reduced export does), those on the full-size export
+    last (it runs beside the others); the order is otherwise kept."""
+    items.sort(key=_exports_needed)
+
+
 def pytest_collection_finish(session) -> None:
-    """Start the exports the collected tests need in background processes as soon as the tests are known: the
-    reduced and the full-size export run side by side on the two cores (together they are most of the suite), one
-    thread each (on the 2-core VM 93 / 97 s side by side against 100 / 104 s with torch's threads fighting)."""
+    """Start the exports the collected tests need in background processes as soon as the tests are known. The reduced
+    export runs first, beside the tests that need no export; the full-size one starts when it ends, beside the tests
+    on the reduced one (each export is one busy thread: side by side at the start they left the tests nothing to run,
+    one after the other each has a core of its own)."""
+    import threading
+
     if session.config.option.collectonly:
         return
-    needed = [which for which in _EXPORT_ARGS
-              if any(f"{which}_artifacts" in getattr(item, "fixturenames", ()) for item in session.items)
-              and (which == "small" or HAVE_FIXTURES)]
-    for which in needed:
-        _start_export(which, threads=1 if len(needed) > 1 else None)
+    ranks = {_exports_needed(item) for item in session.items}
+    needed = {which for which, rank in (("small", 1), ("full", 2))
+              if rank in ranks and (which == "small" or HAVE_FIXTURES)}
+    if needed == {"small", "full"}:
+        _start_export("small", threads=1)
+
+        def full_after_small() -> None:
+            _EXPORTS["small"][1].wait()  # type: ignore[attr-defined]
+            _start_export("full", threads=1)
+
+        threading.Thread(target=full_after_small, daemon=True).start()
+    else:
+        for which in needed:
+            _start_export(which)
 
 
 def pytest_sessionfinish(session) -> None:
     """An export no test waited for (the run stopped early, or its tests were deselected) is stopped, not left
-    running after pytest."""
+    running after pytest; none starts after this."""
+    with _EXPORTS_LOCK:
+        _EXPORTS_CLOSED.append(True)
     for _, process in _EXPORTS.values():
         if process.poll() is None:  # type: ignore[attr-defined]
             process.kill()  # type: ignore[attr-defined]
@@ -112,13 +143,15 @@ def _start_export(which: str, threads: int | None = None) -> None:
     import sys
     import tempfile
 
-    if which in _EXPORTS:
-        return
-    out = Path(tempfile.mkdtemp(prefix=f"hift-{which}-")) / "artifacts"
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads)) if threads else None
-    process = subprocess.Popen([sys.executable, "-m", "hift_export.cli", *_EXPORT_ARGS[which], "--out", str(out)],
-                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    _EXPORTS[which] = (out, process)
+    with _EXPORTS_LOCK:
+        if which in _EXPORTS or _EXPORTS_CLOSED:
+            return
+        out = Path(tempfile.mkdtemp(prefix=f"hift-{which}-")) / "artifacts"
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads)) if threads else None
+        process = subprocess.Popen([sys.executable, "-m", "hift_export.cli", *_EXPORT_ARGS[which], "--out",
+                                    str(out)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                   env=env)
+        _EXPORTS[which] = (out, process)
 
 
 def _finished_export(which: str):

@@ -98,6 +98,8 @@ def cpu(small_artifacts):
 
 
 def test_killed_server_takes_its_children_along_and_a_dead_model_stops_the_next(small_artifacts, tmp_path, cpu):
+    """kill -9 of hift-serve takes its Triton and model along; the next server starts on the same ports (and answers
+    a resent chunk from what it made); its model process killed, it stops in one line and its client is told."""
     pytest.importorskip("pytriton", reason="hift-serve needs the [serve] extra (nvidia-pytriton)")
     from hift_runtime.client import ServerClient
     from hift_runtime.wire import ServerError
@@ -126,6 +128,7 @@ def test_killed_server_takes_its_children_along_and_a_dead_model_stops_the_next(
                   "a server on the same ports ready")
         assert second.poll() is None, (tmp_path / "second.log").read_text()[-2000:]
         assert not any(f.exists() for f in stale), "the stale folder was not removed"
+        _resent_chunks_are_applied_once(ports, cpu)
         client = ServerClient(f"127.0.0.1:{ports[1]}")
         mel = _mel(np.random.default_rng(5), 40)
         stream = client.stream("before-the-death")
@@ -177,35 +180,26 @@ def test_a_dead_process_of_several_is_started_again_and_the_other_streams_go_on(
     assert supervisor.returncode == 0
 
 
-def test_a_chunk_resent_after_a_client_timeout_is_applied_once(small_artifacts, tmp_path, cpu):
+def _resent_chunks_are_applied_once(ports: list[int], cpu) -> None:
     """Every reply is lost after the server applied the chunk (what a client timeout does): the client resends the
     chunk with its offset, the server answers from what it made, and the stream equals the offline pass."""
-    pytest.importorskip("pytriton", reason="hift-serve needs the [serve] extra (nvidia-pytriton)")
     from hift_runtime.client import ServerClient
 
-    ports = _ports()
-    log = tmp_path / "serve.log"
-    server = _start(small_artifacts.out, ports, log)
-    try:
-        _wait_for(lambda: "ready (" in log.read_text() or server.poll() is not None, 120, "the server ready")
-        assert server.poll() is None, log.read_text()[-2000:]
-        client = ServerClient(f"127.0.0.1:{ports[1]}", retries=1)
-        send, sent = client._client.infer, []
+    client = ServerClient(f"127.0.0.1:{ports[1]}", retries=1)
+    send, sent = client._client.infer, []
 
-        def reply_lost(*args, **kwargs):
-            sent.append(send(*args, **kwargs))  # the server applied it; its reply never reaches the client
-            if len(sent) % 2:
-                raise TimeoutError("Deadline Exceeded")
-            return sent[-1]
+    def reply_lost(*args, **kwargs):
+        sent.append(send(*args, **kwargs))  # the server applied it; its reply never reaches the client
+        if len(sent) % 2:
+            raise TimeoutError("Deadline Exceeded")
+        return sent[-1]
 
-        client._client.infer = reply_lost
-        mel = _mel(np.random.default_rng(7), 90)
-        stream = client.stream("impatient")
-        audio = np.concatenate([stream.push(part, end=k == 2) for k, part in enumerate(_chunks(mel, 30))])
-        assert len(sent) == 6 and max_abs(audio, cpu.vocode(mel)) <= SERVED_TOLERANCE
-        state = urllib.request.urlopen(f"http://127.0.0.1:{ports[3]}/metrics", timeout=10).read().decode()
-        resends = sum(float(line.rsplit(" ", 1)[1]) for line in state.splitlines()
-                      if line.startswith("hift_resends_replayed"))
-        assert resends == 3
-    finally:
-        _stop(server)
+    client._client.infer = reply_lost
+    mel = _mel(np.random.default_rng(7), 90)
+    stream = client.stream("impatient")
+    audio = np.concatenate([stream.push(part, end=k == 2) for k, part in enumerate(_chunks(mel, 30))])
+    assert len(sent) == 6 and max_abs(audio, cpu.vocode(mel)) <= SERVED_TOLERANCE
+    state = urllib.request.urlopen(f"http://127.0.0.1:{ports[3]}/metrics", timeout=10).read().decode()
+    resends = sum(float(line.rsplit(" ", 1)[1]) for line in state.splitlines()
+                  if line.startswith("hift_resends_replayed"))
+    assert resends == 3
