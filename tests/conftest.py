@@ -4,6 +4,7 @@ reduced-width config (same algorithm, 8x fewer channels) for properties that do 
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +38,6 @@ def holds_just_its_values(array: np.ndarray) -> bool:
 def run_in_threads(work, args, timeout: float | None = None) -> list:
     """``work(arg)`` for each of ``args``, each in a thread of its own, all at once; the results in order. The first
     error any thread raised is raised here (after every thread ended), so a failing worker fails the test."""
-    import threading
 
     results: list = [None] * len(args)
     errors: list[BaseException] = []
@@ -81,8 +81,8 @@ def reduced_config():
 
 
 _EXPORTS: dict[str, tuple[Path, object]] = {}
-_EXPORTS_LOCK = __import__("threading").Lock()  # the full-size export may be started from a thread
-_EXPORTS_CLOSED: list[bool] = []  # set at the session's end
+_EXPORTS_LOCK = threading.Lock()  # the full-size export may be started from a thread
+_EXPORTS_CLOSED = threading.Event()  # set at the session's end: no export starts after it
 _EXPORT_ARGS = {"small": ["--reduced"], "full": ["--checkpoint", str(CHECKPOINT)]}
 
 
@@ -106,8 +106,6 @@ def pytest_collection_finish(session) -> None:
     export runs first, beside the tests that need no export; the full-size one starts when it ends, beside the tests
     on the reduced one (each export is one busy thread: side by side at the start they left the tests nothing to run,
     one after the other each has a core of its own)."""
-    import threading
-
     if session.config.option.collectonly:
         return
     ranks = {_exports_needed(item) for item in session.items}
@@ -130,7 +128,7 @@ def pytest_sessionfinish(session) -> None:
     """An export no test waited for (the run stopped early, or its tests were deselected) is stopped, not left
     running after pytest; none starts after this."""
     with _EXPORTS_LOCK:
-        _EXPORTS_CLOSED.append(True)
+        _EXPORTS_CLOSED.set()
     for _, process in _EXPORTS.values():
         if process.poll() is None:  # type: ignore[attr-defined]
             process.kill()  # type: ignore[attr-defined]
@@ -144,7 +142,7 @@ def _start_export(which: str, threads: int | None = None) -> None:
     import tempfile
 
     with _EXPORTS_LOCK:
-        if which in _EXPORTS or _EXPORTS_CLOSED:
+        if which in _EXPORTS or _EXPORTS_CLOSED.is_set():
             return
         out = Path(tempfile.mkdtemp(prefix=f"hift-{which}-")) / "artifacts"
         env = dict(os.environ, OMP_NUM_THREADS=str(threads)) if threads else None
