@@ -444,10 +444,17 @@ def serve_python_backend(args: argparse.Namespace, argv: list[str], opener: str 
                     except subprocess.TimeoutExpired:
                         break
                 time.sleep(0.2)
-            if process.poll() is None and dead_model is not None:
-                process.kill()  # nothing left to unload gracefully: the ports close at once (readiness fails)
-                process.wait()
-                print(f"hift-serve: error: the model process (pid {dead_model}, Triton's Python-backend stub) died; "
+            if process.poll() is not None and not stopping and announced and dead_model is None:
+                pid = model_pid(folder)  # Triton may abort on its own once its stub is gone, before we look
+                if pid is not None and not process_alive(pid):
+                    dead_model = pid
+            if dead_model is not None and (announced or process.poll() is None):
+                also = "" if process.poll() is None else f" (tritonserver with it, status {process.returncode})"
+                if process.poll() is None:
+                    process.kill()  # nothing left to unload gracefully: the ports close at once (readiness fails)
+                    process.wait()
+                print(f"hift-serve: error: the model process (pid {dead_model}, Triton's Python-backend stub) died"
+                      f"{also}; "
                       f"the streams it held are lost (their clients cannot reach this server); stopping",
                       file=sys.stderr, flush=True)
                 return 1
