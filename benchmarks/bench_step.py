@@ -176,8 +176,8 @@ def window_eager_arm(hift, mel: np.ndarray, noise, repeats: int = 5) -> dict[str
 def cpu_arms(args, result: dict[str, Any]) -> None:
     import torch
 
-    from hift_export.backend import torch_vocoder
-    from hift_export.parity import reference_backend
+    from hift_torch.eager import torch_vocoder
+    from hift_torch.parity import reference_backend
     from hift_runtime import open_vocoder
 
     vocoder = open_vocoder(args.artifacts, device="cpu")
@@ -227,7 +227,7 @@ def upstream_arm(hift_unfolded, f0_module, mel: np.ndarray, chunk: int, noise_ta
 def generator_alone(artifacts: Path, manifest, batch_sizes: list[int], tf32: bool, ort) -> dict[str, Any]:
     """The generator step of 24 frames: NumPy run, IO binding on device buffers, CUDA graph replay; and batched."""
     from hift_runtime.sessions import CudaOptions
-    from hift_runtime.streaming import StreamConstants
+    from hift_runtime.contract import StreamConstants
 
     c = StreamConstants.from_manifest(manifest.config, manifest.step)
     opts = ort.SessionOptions()
@@ -292,9 +292,9 @@ def gpu_arms(args, result: dict[str, Any]) -> None:
     import onnxruntime as ort
     import torch
 
-    from hift_export import load_hift
-    from hift_export.backend import torch_vocoder
-    from hift_export.config import HiFTConfig
+    from hift_model import load_hift
+    from hift_torch.eager import torch_vocoder
+    from hift_model.config import HiFTConfig
     from hift_runtime import CudaOptions, open_vocoder
 
     if hasattr(ort, "preload_dlls"):

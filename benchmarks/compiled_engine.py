@@ -70,7 +70,7 @@ def main() -> None:
     if args.parties > 1:  # side-by-side runs: CPU threads shared out (oversubscribed OpenMP slowed the CPU reference
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.parties))  # past 2 minutes on the H200 host)
     from hift_runtime import CudaOptions, open_vocoder
-    from hift_runtime.compiled import compile_count
+    from hift_torch.compiled import compile_count
 
     result: dict[str, Any] = {"when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                               "command": "python benchmarks/compiled_engine.py " + " ".join(

@@ -22,7 +22,7 @@ captured) and replays the 24-frame step's and the final step's graphs:
 Any arm may end in ``@N``: the warmup's threads that choose cuDNN's algorithms (``CudaOptions.cudnn_threads``;
 default the engine's: one per 8 GiB of free device memory, at most 8, or one for the benchmark in fp32 and tf32).
 Since 2026-12-03 every warmup runs the eager step at each generator and final shape in those threads first and
-captures each shape in the thread that chose for it (``hift_runtime.compiled._ChoosingThreads``); the
+captures each shape in the thread that chose for it (``hift_torch.compiled._ChoosingThreads``); the
 ``eager+compiled`` arm that measured the idea on one thread (``cudnn-compiled-arms-fp16-h200.json``) is in the
 history (commit bcaedf3). The heuristic arms run the engine's ``cudnn_algorithms="heuristics"``, with
 ``TORCH_CUDNN_USE_HEURISTIC_MODE_B`` set to 0 (instant) or 1 (mode B) for their process.
@@ -52,10 +52,10 @@ def one_arm(artifacts: str, precision: str, slots: int, arm: str) -> dict:
     import torch
 
     from engine_start import replay_ms  # (beside this script: its folder is first on the path)
-    from hift_runtime.compiled import STEP_SIZES, CompiledBackend, warmup_summary
+    from hift_torch.compiled import STEP_SIZES, CompiledBackend, warmup_summary
     from hift_runtime.manifest import read_manifest
     from hift_runtime.noise import NoiseTable
-    from hift_runtime.streaming import StreamConstants
+    from hift_runtime.contract import StreamConstants
 
     arm, _, threads = arm.partition("@")
     cudnn_threads = int(threads) if threads else None  # (None: the engine's default)

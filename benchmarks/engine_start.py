@@ -101,7 +101,7 @@ def main() -> None:
         print(lines[-1], flush=True)
 
     from hift_runtime import open_vocoder
-    from hift_runtime.compiled import compile_count
+    from hift_torch.compiled import compile_count
 
     step_window = None if args.step_window is None else args.step_window == "on"
     vocoder = open_vocoder(args.artifacts, device="cuda", engine="compiled", precision=args.precision,

@@ -229,7 +229,7 @@ def main() -> None:
     if args.malloc == "tuned" and not keep_freed_memory():
         p.error("--malloc tuned: mallopt is not available here (not glibc, or HIFT_MALLOC_TUNING=0)")
     from hift_runtime.manifest import read_manifest
-    from hift_runtime.streaming import StreamConstants
+    from hift_runtime.contract import StreamConstants
 
     manifest = read_manifest(args.artifacts, verify=None)
     constants = StreamConstants.from_manifest(manifest.config, manifest.step)

@@ -24,7 +24,7 @@ from host_path import STEP_SIZES, InstantDevice, ModelledDevice, modelled_vocode
 import hift_runtime.server as server
 from hift_runtime.manifest import read_manifest
 from hift_runtime.serving import ChunkReply, ChunkRequest, StreamTable
-from hift_runtime.streaming import StreamConstants
+from hift_runtime.contract import StreamConstants
 
 
 def stand_in_device(constants: StreamConstants, model: str, step_ms: str | None) -> InstantDevice:

@@ -1,5 +1,5 @@
 """The compiled engine's side-by-side compiles alone (what its first ``warmup()`` runs before loading them from
-inductor's cache, :mod:`hift_runtime.compile_workers`), timed apart: the stream step at each step size and the final
+inductor's cache, :mod:`hift_torch.compile_workers`), timed apart: the stream step at each step size and the final
 step, each in a process of its own. Not a test: it reports the wall time (compare with ``load_test.py``'s
 ``open_and_warmup_s`` run after it in the same cache).
 
@@ -37,10 +37,10 @@ def main() -> None:
     p.add_argument("--out", help="a JSON of the wall times")
     args = p.parse_args()
 
-    from hift_runtime.compile_workers import compile_side_by_side, compile_units, worker_command
-    from hift_runtime.compiled import DEFAULT_CONV_LAYOUT, STEP_SIZES
+    from hift_torch.compile_workers import compile_side_by_side, compile_units, worker_command
+    from hift_torch.compiled import DEFAULT_CONV_LAYOUT, STEP_SIZES
     from hift_runtime.manifest import read_manifest
-    from hift_runtime.streaming import StreamConstants
+    from hift_runtime.contract import StreamConstants
 
     manifest = read_manifest(args.artifacts)
     constants = StreamConstants.from_manifest(manifest.config, manifest.step)

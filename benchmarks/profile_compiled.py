@@ -159,10 +159,10 @@ def main() -> None:
     import torch
     import torch._inductor.config as inductor_config
 
-    from hift_runtime.compiled import CompiledBackend
+    from hift_torch.compiled import CompiledBackend
     from hift_runtime.manifest import read_manifest
     from hift_runtime.noise import NoiseTable
-    from hift_runtime.streaming import StreamConstants
+    from hift_runtime.contract import StreamConstants
 
     started = time.perf_counter()
     cuda = args.device != "cpu"

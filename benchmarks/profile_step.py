@@ -68,7 +68,7 @@ def main() -> None:
 
     from hift_runtime.manifest import GENERATOR_STEP, GENERATOR_STEP_SLOTS, read_manifest
     from hift_runtime.sessions import _zero_step_feed
-    from hift_runtime.streaming import StreamConstants
+    from hift_runtime.contract import StreamConstants
 
     if args.device == "cuda" and hasattr(ort, "preload_dlls"):
         ort.preload_dlls()

@@ -111,7 +111,7 @@ def main() -> None:
     from hift_export.slots import slotted_model
     from hift_runtime.manifest import GENERATOR_STEP, read_manifest
     from hift_runtime.sessions import CudaOptions, _zero_step_feed
-    from hift_runtime.streaming import StreamConstants
+    from hift_runtime.contract import StreamConstants
 
     if hasattr(ort, "preload_dlls"):
         ort.preload_dlls()

@@ -6,7 +6,7 @@ process should miss the cache and compile; each later one, at other slots, shoul
     python benchmarks/slots_cache.py --artifacts DIR [--device cuda] [--precision fp16] [--slots 2048,3100,64] \\
         [--shape generator:24] [--out R.json]
 
-The engine marks the cache pool's rows dynamic (``hift_runtime.compiled.CompiledBackend``); ``--static-pool`` drops
+The engine marks the cache pool's rows dynamic (``hift_torch.compiled.CompiledBackend``); ``--static-pool`` drops
 that mark in every process, to show the cache as it was (one compile per slot count).
 """
 
@@ -27,10 +27,10 @@ def child(args: argparse.Namespace) -> dict:
     import torch
     from torch._dynamo.utils import counters
 
-    from hift_runtime.compiled import CompiledBackend, _mark_batch_dynamic
+    from hift_torch.compiled import CompiledBackend, _mark_batch_dynamic
     from hift_runtime.manifest import read_manifest
     from hift_runtime.noise import NoiseTable
-    from hift_runtime.streaming import StreamConstants
+    from hift_runtime.contract import StreamConstants
 
     manifest = read_manifest(args.artifacts)
     c = StreamConstants.from_manifest(manifest.config, manifest.step)

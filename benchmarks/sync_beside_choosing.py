@@ -2,7 +2,7 @@
 
 On the H200 (2026-12-03) the compiled engine's warmup under cuDNN's heuristic mode B failed once with "operation not
 permitted when stream is capturing" at a device-wide ``torch.cuda.synchronize`` in the warmup's own thread, while its
-choosing threads (``hift_runtime.compiled._ChoosingThreads``) ran the eager step. This probes it: each engine warms
+choosing threads (``hift_torch.compiled._ChoosingThreads``) ran the eager step. This probes it: each engine warms
 up (eagerly: no compile, the convolutions are cuDNN's either way; a short batch ladder) while a probe thread
 synchronizes in a loop, from the warmup's start until it says its algorithms are chosen (before its own captures),
 and counts the synchronizes that failed. Engines run in order in one process (mode B is read once per process: the
@@ -80,12 +80,12 @@ def main() -> None:
     p.add_argument("--engines", default="all", choices=["all", "mode-b"], help="mode-b: two mode B engines alone")
     p.add_argument("--out", help="a JSON of the results")
     args = p.parse_args()
-    from hift_runtime.compiled import HEURISTIC_MODE_B_ENV, STEP_SIZES, CompiledBackend
+    from hift_torch.compiled import HEURISTIC_MODE_B_ENV, STEP_SIZES, CompiledBackend
 
     os.environ.setdefault(HEURISTIC_MODE_B_ENV, "1")  # (torch reads it at its first heuristic convolution)
     from hift_runtime.manifest import read_manifest
     from hift_runtime.noise import NoiseTable
-    from hift_runtime.streaming import StreamConstants
+    from hift_runtime.contract import StreamConstants
 
     manifest = read_manifest(args.artifacts)
     constants = StreamConstants.from_manifest(manifest.config, manifest.step)

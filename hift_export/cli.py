@@ -8,9 +8,9 @@ from collections.abc import Sequence
 
 from hift_runtime.argparsing import OneLineArgumentParser, gpu_ids
 
-from .checkpoint import CheckpointError
-from .config import COSYVOICE3
-from .model import DEFAULT_SEED
+from hift_model.checkpoint import CheckpointError
+from hift_model.config import COSYVOICE3
+from hift_model.model import DEFAULT_SEED
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -37,22 +37,18 @@ import torch
 
 from hift_runtime.manifest import FORMAT_VERSION, MANIFEST_NAME, sha256_file
 
-from .config import COSYVOICE3, HiFTConfig
+from hift_model.config import COSYVOICE3, HiFTConfig
 from .folder_swap import listed_files, recover_stale_siblings, sibling, swap_into_place
 from .graphs import F0_STEP_INPUTS, GENERATOR_STEP_INPUTS
-from .model import DEFAULT_SEED, CheckpointSource, load_hift
+from hift_model.model import DEFAULT_SEED, CheckpointSource, load_hift
 from .onnx_export import export_onnx, onnx_runners
-from .step import dtype_name, step_contract
+from hift_model.step import F0_PRECISIONS, dtype_name, step_contract
 from .targets import ARTIFACT_FILES, STEP_TOLERANCE, ExportError, check_against_eager, judge
 from .torchscript_export import export_torchscript, torchscript_runners
 from .weights_export import export_folded_weights
 
-# "weights": the folded weights as a weights-only torch file, for the compiled engine (hift_runtime.compiled).
+# "weights": the folded weights as a weights-only torch file, for the compiled engine (hift_torch.compiled).
 FORMATS = ("onnx", "torchscript", "weights")
-# Precision inside the F0 graph; its inputs and outputs are float32 either way. "fp64" computes like upstream
-# (bit-exact F0 on the fixture); "fp32" uses float32 Conv, ~20 % faster, but its rounding depends on the input length
-# (stepped F0 then differs from one pass by ~3e-3 Hz, which the phase integral turns into ~1e-3 of audio, 50 dB).
-F0_PRECISIONS = {"fp64": torch.float64, "fp32": torch.float32}
 DEFAULT_F0_PRECISION = "fp64"
 MIN_OPSET = 18
 

@@ -1,7 +1,7 @@
 """The exported call signatures: thin ``nn.Module`` wrappers whose ``forward`` is exactly one graph.
 
 Input/output names are defined here once; the exporter writes them into the manifest and the runtime reads them from
-there. Caches travel as one flat list in the order of their layout (:mod:`hift_export.step`); in a graph each cache is
+there. Caches travel as one flat list in the order of their layout (:mod:`hift_model.step`); in a graph each cache is
 an input ``cache.NAME`` and an output ``next.NAME`` of the same shape.
 """
 
@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .config import HiFTConfig
-from .f0_predictor import CausalF0Predictor
-from .generator import CausalHiFTGenerator
-from .step import f0_cache_layout, f0_step, generator_cache_layout, generator_step
+from hift_model.config import HiFTConfig
+from hift_model.f0_predictor import CausalF0Predictor
+from hift_model.generator import CausalHiFTGenerator
+from hift_model.step import f0_cache_layout, f0_step, generator_cache_layout, generator_step
 
 CACHE_PREFIX = "cache."
 NEXT_PREFIX = "next."

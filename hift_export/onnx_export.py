@@ -17,12 +17,12 @@ import torch
 from hift_runtime.manifest import (F0_STEP, FORMAT_VERSION, GENERATOR_STEP, GENERATOR_STEP_FINAL,
                                    GENERATOR_STEP_FINAL_SLOTS, GENERATOR_STEP_SLOTS, GENERATOR_WEIGHTS, METADATA_PREFIX)
 
-from .config import HiFTConfig
+from hift_model.config import HiFTConfig
 from .graphs import (F0_STEP_INPUTS, F0_STEP_OUTPUTS, GENERATOR_STEP_INPUTS, GENERATOR_STEP_OUTPUTS, NEXT_PREFIX,
                      F0StepGraph, GeneratorStepGraph, cache_io_names)
-from .model import HiFT
+from hift_model.model import HiFT
 from .slots import slotted_model
-from .step import f0_cache_layout, generator_cache_layout
+from hift_model.step import f0_cache_layout, generator_cache_layout
 from .targets import ARTIFACT_FILES, ExportError, example_f0_step_inputs, example_generator_step_inputs
 
 # Every op the generator graphs may contain: each has a CUDA EP kernel for the types used here. STFT, DFT and the

@@ -29,7 +29,7 @@ import numpy as np
 from hift_runtime.manifest import POOL_OUTPUT, SLOT_INPUTS
 
 from .graphs import CACHE_PREFIX, NEXT_PREFIX
-from .step import pool_row_floats
+from hift_model.step import pool_row_floats
 
 
 def slotted_model(model: Any, layout: list[dict[str, Any]], final: bool) -> Any:

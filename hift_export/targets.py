@@ -12,10 +12,10 @@ from hift_runtime.manifest import (F0_STEP, FOLDED_WEIGHTS, GENERATOR_STEP, GENE
                                    GENERATOR_STEP_SLOTS, GENERATOR_WEIGHTS)
 from hift_runtime.metrics import max_abs
 
-from .config import HiFTConfig
+from hift_model.config import HiFTConfig
 from .graphs import F0StepGraph, GeneratorStepGraph
-from .model import HiFT
-from .step import DTYPES, f0_cache_layout, generator_cache_layout
+from hift_model.model import HiFT
+from hift_model.step import DTYPES, f0_cache_layout, generator_cache_layout
 
 ARTIFACT_FILES = {
     GENERATOR_STEP: "hift_generator_step.onnx",

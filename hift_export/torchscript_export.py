@@ -13,7 +13,7 @@ import torch
 from hift_runtime.manifest import F0_STEP, GENERATOR_STEP, GENERATOR_STEP_FINAL
 
 from .graphs import F0StepGraph, GeneratorStepGraph
-from .model import HiFT
+from hift_model.model import HiFT
 from .targets import ARTIFACT_FILES, example_f0_step_inputs, example_generator_step_inputs
 
 

@@ -1,5 +1,5 @@
 """Folded-weights target: the folded generator and F0 predictor as one weights-only file, what the compiled engine
-(``hift_runtime.compiled``) loads into fresh modules built from the manifest's config (no ``hift.pt`` needed)."""
+(``hift_torch.compiled``) loads into fresh modules built from the manifest's config (no ``hift.pt`` needed)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 from hift_runtime.manifest import FOLDED_WEIGHTS
 
-from .model import HiFT
+from hift_model.model import HiFT
 from .targets import ARTIFACT_FILES
 
 

@@ -1,12 +1,15 @@
-"""Torch-free runtime of the CosyVoice3 vocoder: NumPy + ONNX Runtime, stateful step graphs."""
+"""Torch-free runtime of the CosyVoice3 vocoder: NumPy + ONNX Runtime over the exported stateful step graphs, the
+stream bookkeeping and scheduler every engine runs behind, the server and its clients. The compiled engine
+(``engine="compiled"``, :mod:`hift_torch`) is imported only when asked for."""
 
+from .contract import CacheSpec, StreamConstants
+from .engine import EngineTraits, VocoderBackend
+from .errors import MelError, OverloadError, StreamError
 from .manifest import ArtifactError, Manifest, read_manifest
-
-__all__ = ["ArtifactError", "Manifest", "read_manifest"]
 from .noise import NoiseTable
-from .streaming import (CacheSpec, MelError, OverloadError, StreamConstants, StreamError, StreamingVocoder,
-                        VocoderBackend, VocoderStream)
 from .sessions import CudaOptions, OrtBackend, open_vocoder
+from .streaming import StreamingVocoder, VocoderStream
 
-__all__ += ["CacheSpec", "CudaOptions", "OverloadError", "MelError", "NoiseTable", "OrtBackend", "StreamConstants", "StreamError",
-            "StreamingVocoder", "VocoderBackend", "VocoderStream", "open_vocoder"]
+__all__ = ["ArtifactError", "CacheSpec", "CudaOptions", "EngineTraits", "Manifest", "MelError", "NoiseTable",
+           "OrtBackend", "OverloadError", "StreamConstants", "StreamError", "StreamingVocoder", "VocoderBackend",
+           "VocoderStream", "open_vocoder", "read_manifest"]

@@ -44,7 +44,8 @@ from typing import Any
 import numpy as np
 
 from .arrays import concat_rows
-from .streaming import CancelToken, PushCancelled, SchedulerClosed, StepCall, VocoderBackend
+from .engine import CancelToken, StepCall, VocoderBackend
+from .errors import PushCancelled, SchedulerClosed
 
 __all__ = ["BatchStats", "PushScheduler", "SchedulerClosed", "run_batched"]
 
@@ -137,15 +138,10 @@ class PushScheduler:
         self.backend, self.max_batch, self.max_wait_s = backend, max_batch, max_wait_s
         # The smallest group queued behind a call on the device (see _launch_due): a quarter of a full batch.
         self.queue_behind = max(1, max_batch // 4)
-        # A lone push's calls made in the scheduling thread itself (the scheduler's or the event loop's) when it is
-        # the only push in hand, the device is idle and the push arrived quiet (nothing settled in the
-        # inline_quiet_s before it): no device-thread hand-offs, two a call (on the H200 a push of a lone stream at
-        # real-time pace took 3.11 -> 2.61 ms in fp16, 3.78 -> 3.08 in tf32 loop-driven; benchmarks/lone_push.py).
-        # Quiet only: under load a call made here would hold the thread that takes in and groups the next pushes.
-        # Only over a backend whose calls may come from any thread (calls_from_any_thread: the compiled engine, which
-        # locks its own calls); on by default where the backend says its calls are short (the compiled engine's
-        # CUDA graphs: a replay and its wait).
-        self.inline_lone_calls = bool(getattr(backend, "inline_lone_calls_by_default", False))
+        # A quiet lone push's calls made in the scheduling thread itself (the device idle, nothing settled in the
+        # last inline_quiet_s): no device-thread hand-offs, two a call (BENCHMARKS.md, "a lone push"). Under load a
+        # call made here would hold the thread that groups the next pushes; only on an engine that declares it.
+        self.inline_lone_calls = backend.traits.inline_lone_calls
         self.inline_quiet_s = 0.02
         self._last_settled_at = -math.inf
         self.pushes_in_progress = pushes_in_progress or (lambda: 0)
@@ -156,11 +152,8 @@ class PushScheduler:
         self._cv = threading.Condition()
         self._closing = False
         self._wakers: weakref.WeakKeyDictionary[Any, _LoopWaker] = weakref.WeakKeyDictionary()  # one per loop
-        # The batched calls run here, so the scheduler thread keeps Python work going while the device computes: in
-        # one thread, or in two over a backend that runs two calls at once (the compiled engine's call_lanes; the
-        # call queued behind then starts beside the one on the device, and the stats' busy times overlap).
-        self._device = concurrent.futures.ThreadPoolExecutor(max_workers=int(getattr(backend, "call_lanes", 1)),
-                                                             thread_name_prefix="hift-batch-call")
+        # The batched calls run here, so the scheduler thread keeps Python work going while the device computes.
+        self._device = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hift-batch-call")
         self._ready: list[_Push] = []  # pushes whose next call waits for the device
         self._flights: collections.deque[_Flight] = collections.deque()  # on the device (the first), queued behind
         # Who runs the scheduling: this scheduler's own thread (None), or an event loop (attach_loop) in its thread.
@@ -437,7 +430,7 @@ class PushScheduler:
         which may join it."""
         while len(flights) < 2:
             inline = (not flights and self.inline_lone_calls and len(self._handed_over) == 1
-                      and getattr(self.backend, "calls_from_any_thread", False))
+                      and self.backend.traits.calls_from_any_thread)
             flight = self._launch_if_due(ready, self.queue_behind if flights else 1, inline)
             if flight is None:
                 return

@@ -18,7 +18,9 @@ from .audio_io import SUBTYPES, AudioFormatError, check_audio_path, read_mel, wr
 from .manifest import ArtifactError
 from .noise import NoiseTableError
 from .process_tuning import keep_freed_memory
-from .streaming import MelError, StreamError, StreamingVocoder, validate_mel
+from .errors import MelError, StreamError
+from .mel_input import validate_mel
+from .streaming import StreamingVocoder
 from .wire import ServerError
 
 
@@ -219,8 +221,8 @@ def _via_server(args: argparse.Namespace, schedule: Sequence[int], out: Path, sa
 def _check(args: argparse.Namespace, vocoder: StreamingVocoder, mel: np.ndarray, sizes: Sequence[int], out: Path,
            sample_rate: int, say) -> int:
     try:
-        from hift_export.checkpoint import CheckpointError
-        from hift_export.parity import plot_parity, reference_backend, run_parity
+        from hift_model.checkpoint import CheckpointError
+        from hift_torch.parity import plot_parity, reference_backend, run_parity
     except ImportError as exc:
         raise UsageError(f"--check needs torch and hift_export ({exc}); install the project with its [export] "
                          f"extra") from exc

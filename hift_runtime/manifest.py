@@ -37,7 +37,7 @@ GENERATOR_STEP = "generator_step"
 GENERATOR_STEP_FINAL = "generator_step_final"
 F0_STEP = "f0_step"
 GENERATOR_WEIGHTS = "generator_weights"
-# The folded weights of both modules, weights-only torch file: what the compiled engine loads (hift_runtime.compiled).
+# The folded weights of both modules, weights-only torch file: what the compiled engine loads (hift_torch.compiled).
 FOLDED_WEIGHTS = "folded_weights"
 # The same steps with the caches in a device-resident pool, one row per stream (hift_export/slots.py): the CUDA path.
 GENERATOR_STEP_SLOTS = "generator_step_slots"

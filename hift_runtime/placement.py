@@ -18,7 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from .streaming import OverloadError, StreamConstants, StreamingVocoder, VocoderStream
+from .contract import StreamConstants
+from .errors import OverloadError
+from .streaming import StreamingVocoder, VocoderStream
 
 
 class AllDevicesFailed(OverloadError):

@@ -37,7 +37,9 @@ from typing import Any
 import numpy as np
 
 from . import wire
-from .streaming import MelError, OverloadError, StreamError, StreamingVocoder, VocoderStream, validate_mel
+from .errors import MelError, OverloadError, StreamError
+from .mel_input import validate_mel
+from .streaming import StreamingVocoder, VocoderStream
 
 log = logging.getLogger("hift_runtime.serving")
 # Ids of closed streams remembered (oldest forgotten first): at most this many ids of at most MAX_STREAM_ID_BYTES.

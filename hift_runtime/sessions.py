@@ -21,12 +21,13 @@ from .manifest import (F0_STEP, FOLDED_WEIGHTS, GENERATOR_STEP, GENERATOR_STEP_F
 from .noise import NoiseTable
 from .process_tuning import HANDOFF_SWITCH_INTERVAL_S
 from .slots import Slot, SlotPoolFull, SlotRows  # noqa: F401 - SlotPoolFull re-exported
-from .streaming import CacheSpec, StreamConstants, StreamingVocoder
+from .contract import CacheSpec, StreamConstants
+from .streaming import StreamingVocoder
 
 log = logging.getLogger("hift_runtime")
 Device = Literal["auto", "cuda", "cpu"]
 DEVICES = ("auto", "cuda", "cpu")
-PRECISIONS = ("fp32", "tf32", "fp16")  # the compiled engine's (hift_runtime.compiled); ONNX Runtime runs the first two
+PRECISIONS = ("fp32", "tf32", "fp16")  # the compiled engine's (hift_torch.compiled); ONNX Runtime runs the first two
 CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
 CACHE_PREFIX, NEXT_PREFIX = "cache.", "next."
@@ -68,7 +69,7 @@ class CudaOptions:
     # open_vocoder(max_streams=...); a stream beyond them is refused with OverloadError.
     slots: int = 2048
     # The compiled engine's convolution layout ("channels-first" or "channels-last"); None: the precision's measured
-    # best (channels-last in fp16, channels-first in fp32 and tf32: hift_runtime.compiled.DEFAULT_CONV_LAYOUT).
+    # best (channels-last in fp16, channels-first in fp32 and tf32: hift_torch.compiled.DEFAULT_CONV_LAYOUT).
     conv_layout: str | None = None
     # How the compiled engine's generator cache rows lie on the device: "channels-first" (the default) or
     # "channels-last" (each cache time-major, for channels-last convolutions: on the H200 0.6-2.3 % off the step at
@@ -95,7 +96,7 @@ class CudaOptions:
     # The compiled engine's warmup: threads that choose cuDNN's convolution algorithms side by side (torch keeps the
     # choices per thread, so each also captures the shapes it chose for), while the warmup's thread loads the graphs.
     # None: one per 8 GiB of free device memory, at most DEFAULT_CUDNN_THREADS, or one for cuDNN's benchmark in fp32
-    # and tf32 (hift_runtime.compiled.cudnn_threads_for_memory, cudnn_threads_at_most). ONNX Runtime chooses its own
+    # and tf32 (hift_torch.compiled.cudnn_threads_for_memory, cudnn_threads_at_most). ONNX Runtime chooses its own
     # algorithms and ignores it.
     cudnn_threads: int | None = None
     # How cuDNN chooses the compiled engine's convolution algorithms: "benchmark" (timed per shape at warmup) or
@@ -109,7 +110,7 @@ class CudaOptions:
     warmup_switch_interval_s: float | None = HANDOFF_SWITCH_INTERVAL_S
     # The compiled engine's batched calls at once over its CUDA graphs: 1 (the default), or 2: every shape captured
     # twice with its own pinned buffers, so one call's host part (its rows written in, its outputs copied out) runs
-    # while the other's graph replays (hift_runtime.compiled.CompiledBackend). On an H200 in fp16 two kept 3 328
+    # while the other's graph replays (hift_torch.compiled.CompiledBackend). On an H200 in fp16 two kept 3 328
     # streams in 2 of 3 runs where one kept 3 072 in 2 of 2, at ~1.7 GB more GPU memory and a higher p95 below
     # capacity (BENCHMARKS.md, "Two call lanes"): so an opt-in. Ignored by ORT.
     call_lanes: int = 1
@@ -723,7 +724,7 @@ def open_vocoder(artifacts: str | os.PathLike[str], *, device: Device = "auto",
 
     ``engine``: ``"auto"`` (the default: the compiled engine on a CUDA device where torch with CUDA is importable,
     else ONNX Runtime; ``vocoder.engine_reason`` says why), ``"ort"`` (ONNX Runtime: the CPU's engine, and the stock
-    Triton repository's) or ``"compiled"`` (the step compiled by ``torch.compile``, :mod:`hift_runtime.compiled`;
+    Triton repository's) or ``"compiled"`` (the step compiled by ``torch.compile``, :mod:`hift_torch.compiled`;
     needs torch; on the CPU it runs the same code eagerly).
     ``precision``: ``"fp32"`` (TF32 off, parity), ``"tf32"``, or ``"fp16"`` (compiled engine only); measured
     distances in BENCHMARKS.md.
@@ -818,7 +819,7 @@ def _compiled_backend(manifest: Manifest, constants: StreamConstants, device: st
     """The compiled engine (imports torch): on CUDA device ``cuda.device_id`` unless ``device='cpu'``; its own step
     and batch sizes (few compiles), ``cuda.slots`` device cache rows."""
     try:
-        from .compiled import BATCH_SIZES as COMPILED_BATCH_SIZES, CompiledBackend
+        from hift_torch.compiled import BATCH_SIZES as COMPILED_BATCH_SIZES, CompiledBackend
     except ImportError as exc:
         raise ArtifactError(f"the compiled engine needs torch ({exc}); install torch, or use engine='ort'") from exc
     if device == "cuda" or (device == "auto" and nvidia_driver_present()):

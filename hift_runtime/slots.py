@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import weakref
 
-from .streaming import OverloadError
+from .errors import OverloadError
 
 
 class SlotPoolFull(OverloadError):

@@ -1,8 +1,8 @@
 """Streaming the CosyVoice3 vocoder through its stateful step graphs, written once and driven by any
-:class:`VocoderBackend` (ONNX Runtime, or eager PyTorch in ``hift_export.backend``).
+:class:`VocoderBackend` (ONNX Runtime, or eager PyTorch in ``hift_torch.eager``).
 
 Each layer's left context is a cache carried from step to step, so a push computes only the new frames and the output
-equals one offline ``finalize=True`` pass (see ``hift_export/step.py`` for the step's contract). Frame bookkeeping
+equals one offline ``finalize=True`` pass (see ``hift_model/step.py`` for the step's contract). Frame bookkeeping
 (absolute mel frames; ``spf`` = 480 samples per frame; every constant read from the manifest):
 
 * **F0 step.** F0 of frame ``t`` reads mel ``t-8 .. t+3``. With ``n`` frames received, F0 is known for frames
@@ -40,22 +40,23 @@ calls on one :class:`VocoderStream` are serialised by its lock.
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 import time
 import warnings
 import weakref
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from .arrays import concat_rows
+from .contract import StreamConstants
+from .engine import CancelToken, StepCall, VocoderBackend, drive, split_steps
+from .errors import OverloadError, PushCancelled, SchedulerClosed, StreamError
+from .mel_input import LOG_MEL_RANGE, validate_mel, validate_mel_range
 from .noise import NoiseTable
 
-# Outside this range the input is almost certainly not upstream's natural-log mel (log(clamp(., 1e-5)) >= -11.5).
-LOG_MEL_RANGE = (-30.0, 15.0)
 PHASE_MODES = ("upstream", "wrapped")
 # Without fixed step sizes (the CPU), a push's steps are at most this long: a step's activations grow with its length,
 # and a neighbour's call waits for at most one step; 24 frames (a real-time chunk's) cost no more per frame than 64
@@ -63,205 +64,11 @@ PHASE_MODES = ("upstream", "wrapped")
 MAX_STEP_FRAMES = 24
 
 
-class StreamError(RuntimeError):
-    """A call that the stream's state does not allow (push after finish, finish twice)."""
-
-
-class OverloadError(RuntimeError):
-    """No stream can be opened now: ``max_streams`` are open. Finish or drop one, or retry later."""
-
-
-class MelError(ValueError):
-    """A mel chunk of the wrong shape or with non-finite values; the stream is left unchanged."""
-
-
-class MelTypeError(MelError, TypeError):
-    """A mel of a non-float dtype (integer, bool, complex); the stream is left unchanged."""
-
-
-class SchedulerClosed(RuntimeError):
-    """The vocoder's scheduler was closed: no push runs any more."""
-
-
-class PushCancelled(RuntimeError):
-    """A push was cancelled (KeyboardInterrupt in its thread, asyncio cancellation) before it changed anything: the
-    stream is as it was before the push, and usable."""
-
-
-class CancelToken:
-    """Lets another thread cancel a push in progress (what ``apush`` does when its task is cancelled). A cancelled
-    push stops at its next backend call and leaves its stream unchanged, unless it has already written device caches
-    in place: then it runs to its end (a step that ran cannot be undone), and the push counts as done."""
-
-    def __init__(self) -> None:
-        self._cancelled = threading.Event()
-        self._callbacks: list[Any] = []
-        self._lock = threading.Lock()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
-
-    def cancel(self) -> None:
-        with self._lock:
-            self._cancelled.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for callback in callbacks:
-            callback()
-
-    def on_cancel(self, callback: Any) -> None:
-        """Call ``callback`` when cancelled (at once if it already is)."""
-        with self._lock:
-            if not self._cancelled.is_set():
-                self._callbacks.append(callback)
-                return
-        callback()
-
-
-@dataclass(frozen=True)
-class CacheSpec:
-    """One cache of a step graph: per-stream shape (no batch axis) and dtype; its initial value is zeros."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-
-    @classmethod
-    def from_manifest(cls, entry: dict[str, Any]) -> "CacheSpec":
-        if entry.get("init", "zeros") != "zeros":
-            raise ValueError(f"cache {entry['name']!r} has initial value {entry['init']!r}; this runtime knows 'zeros'")
-        return cls(str(entry["name"]), tuple(int(d) for d in entry["shape"]), str(entry["dtype"]))
-
-    def zeros(self, batch: int = 1) -> np.ndarray:
-        return np.zeros((batch, *self.shape), np.dtype(self.dtype))
-
-
-class VocoderBackend(Protocol):
-    """What the bookkeeping needs from an inference engine. Arrays are batch-first NumPy; caches are opaque to the
-    bookkeeping (a backend may keep them on its device)."""
-
-    name: str
-
-    def new_caches(self, kind: str, batch: int = 1) -> Any:
-        """Zero caches (the utterance start) of ``kind`` ``"generator"`` or ``"f0"``."""
-        ...
-
-    def f0_step(self, mel: np.ndarray, caches: Any) -> tuple[np.ndarray, Any]:
-        """``mel [B, 80, c+3]`` float32 -> ``(f0 [B, c] float32, next caches)``."""
-        ...
-
-    def generator_step(self, mel: np.ndarray, f0: np.ndarray, noise: np.ndarray, phase_in: np.ndarray,
-                       first: np.ndarray, caches: Any, final: bool) -> tuple[np.ndarray, np.ndarray, Any]:
-        """One generator step (``hift_export.step``): ``(audio [B, S], phase_out [B, 9] float64, next caches)``.
-
-        A backend with ``takes_noise_positions = True`` is given ``use_noise_table(table)`` once, and then as ``noise``
-        each row's first sample index ``[B, 1]`` int64 instead of the rows: it gathers them on its device.
-
-        A backend with ``final_window_frames = W`` (an int) is given every final step as a window of ``W`` frames, zero
-        past each row's end, and after ``final`` each row's frames ``[B, 1]`` int64 (``hift_export.step``'s
-        ``frames``); a row's audio is its first ``480(frames+1)`` samples. One with ``step_window_frames = W`` is
-        given every stream step so (``mel`` of ``W + 4`` frames, ``f0`` of ``W + 1``): a row's audio is its first
-        ``480 frames`` samples, its phase and next caches its own."""
-        ...
-
-
-@dataclass(frozen=True)
-class StreamConstants:
-    """Everything the bookkeeping needs, read from the manifest (config + step contract): never hard-coded here."""
-
-    in_channels: int
-    sample_rate: int
-    samples_per_frame: int
-    f0_look_ahead: int
-    mel_look_ahead: int
-    source_look_ahead: int
-    audio_lag: int
-    num_sines: int
-    noise_table_length: int
-    generator_caches: tuple[CacheSpec, ...]
-    f0_caches: tuple[CacheSpec, ...]
-
-    @classmethod
-    def from_manifest(cls, config: dict[str, Any], step: dict[str, Any]) -> "StreamConstants":
-        d = config["derived"]
-        return cls(in_channels=int(config["in_channels"]), sample_rate=int(config["sampling_rate"]),
-                   samples_per_frame=int(d["samples_per_frame"]),
-                   f0_look_ahead=int(step["f0_look_ahead_frames"]), mel_look_ahead=int(step["mel_look_ahead_frames"]),
-                   source_look_ahead=int(step["source_look_ahead_frames"]), audio_lag=int(step["audio_lag_frames"]),
-                   num_sines=int(d["num_sines"]), noise_table_length=int(d["noise_table_length"]),
-                   generator_caches=tuple(CacheSpec.from_manifest(e) for e in step["generator_caches"]),
-                   f0_caches=tuple(CacheSpec.from_manifest(e) for e in step["f0_caches"]))
-
-
-def split_steps(count: int, sizes: tuple[int, ...] | None, max_size: int | None = None,
-                window: int | None = None) -> list[int]:
-    """``count`` frames as steps: greedily the largest allowed sizes (``sizes`` must contain 1, so every count
-    splits), or with ``sizes=None`` steps of ``max_size`` and one shorter remainder (one step if ``max_size`` is
-    None); with a ``window`` (a backend whose one graph takes any step up to that many frames) steps of the window
-    and one shorter remainder."""
-    if count <= 0:
-        return []
-    if window is not None:
-        return [window] * (count // window) + ([count % window] if count % window else [])
-    if sizes is not None and count in sizes:  # the common push (a 24-frame chunk): one step, as the greedy split
-        return [count]
-    if sizes is None:
-        if max_size is None:
-            return [count]
-        return [max_size] * (count // max_size) + ([count % max_size] if count % max_size else [])
-    out = []
-    for size in sorted(sizes, reverse=True):
-        while count >= size:
-            out.append(size)
-            count -= size
-    return out
-
-
 def _padded(frames: np.ndarray, length: int) -> np.ndarray:
     """``frames`` (time last) zero-padded to ``length`` along time, C-contiguous."""
     out = np.zeros((*frames.shape[:-1], length), np.float32)
     out[..., :frames.shape[-1]] = frames
     return out
-
-
-@dataclass(frozen=True)
-class StepCall:
-    """One backend call a push needs: ``kind`` ``"f0"`` (args of ``f0_step``) or ``"generator"``/``"final"`` (args
-    of ``generator_step`` without ``final``; a step in the backend's window has one more, ``frames``, passed after
-    ``final``). Calls of the same :attr:`key` from different streams can run as one batched call (their arrays
-    are batch-first with one row each)."""
-
-    kind: str
-    args: tuple[Any, ...]
-
-    @property
-    def key(self) -> tuple[str, int]:
-        return self.kind, self.args[0].shape[2]  # the step's mel frames fix every input's shape
-
-    # True for a step on a backend that writes its caches in place: once it ran, the push cannot be undone.
-    writes_caches: bool = False
-
-    def run(self, backend: VocoderBackend) -> Any:
-        if self.kind == "f0":
-            return backend.f0_step(*self.args)
-        return backend.generator_step(*self.args[:6], self.kind == "final", *self.args[6:])
-
-
-def drive(steps: Generator[StepCall, Any, np.ndarray], backend: VocoderBackend,
-          cancel: CancelToken | None = None) -> np.ndarray:
-    """Run a push's steps (:meth:`VocoderStream._steps`) one call at a time on ``backend``. Cancelled (``cancel``)
-    before a call that writes caches ran, it stops with :class:`PushCancelled`; after, it runs to its end."""
-    result, wrote = None, False
-    while True:
-        try:
-            call = steps.send(result)
-        except StopIteration as done:
-            return done.value
-        if cancel is not None and cancel.cancelled and not wrote:
-            steps.close()
-            raise PushCancelled("the push was cancelled; the stream is unchanged")
-        wrote |= call.writes_caches
-        result = call.run(backend)
 
 
 @dataclass
@@ -303,7 +110,8 @@ class StreamingVocoder:
         # The F0 steps' sizes: the backend's own where it prepares F0 shapes apart (the compiled engine captures its
         # cheap F0 step at every size up to 24 frames, so a push's F0 is one call, not up to four: each call of a
         # push waits for a device turn under load), else the generator's.
-        f0_sizes = getattr(backend, "f0_step_sizes", None)
+        traits = backend.traits
+        f0_sizes = traits.f0_step_sizes
         self.f0_step_sizes = step_sizes if step_sizes is None or f0_sizes is None else tuple(sorted(f0_sizes,
                                                                                                  reverse=True))
         self.max_step_frames = max_step_frames
@@ -312,11 +120,11 @@ class StreamingVocoder:
         # sizes would make up to five calls in turn (F0, 8 + 1 + 1 frames, the final step), each waiting for a device
         # turn under load. Longer remainders go first as steps of the largest size, so the window must exceed it by
         # the mel look-ahead (those steps need it).
-        self.final_window = getattr(backend, "final_window_frames", None)
+        self.final_window = traits.final_window
         # Likewise for the stream step (fp32's default on the GPU: a faster start; in fp16 more device time per row,
         # BENCHMARKS.md): every generator step of up to this many frames is one call of one graph, so a push is its
         # F0 call and one generator call per this many frames.
-        self.step_window = getattr(backend, "step_window_frames", None)
+        self.step_window = traits.step_window
         # The size of the steps that reach a final window's start (None: sizes unbounded, any count is one step).
         self.steps_before_final_window = self.step_window or (step_sizes[0] if step_sizes else None)
         largest = self.steps_before_final_window
@@ -343,7 +151,7 @@ class StreamingVocoder:
                                                                        constants.num_sines)
         if self.noise.columns != constants.num_sines:
             raise ValueError(f"noise table has {self.noise.columns} columns, the model needs {constants.num_sines}")
-        if getattr(backend, "takes_noise_positions", False):
+        if traits.noise_positions:
             backend.use_noise_table(self.noise)  # it gathers each step's rows on its device
         if self.noise.length < constants.noise_table_length:
             warnings.warn(f"noise table {self.noise.source} has {self.noise.length} rows, the model's has "
@@ -405,9 +213,7 @@ class StreamingVocoder:
         """Prepare every step shape a stream can meet (compiles, CUDA graphs, cuDNN state) before the first request;
         ``progress(message)`` is told how far it got (the compiled engine's warmup takes minutes cold). A no-op on
         backends that compile nothing."""
-        prepare = getattr(self.backend, "warmup", None)
-        if prepare is not None:
-            prepare(self.step_sizes, progress)
+        self.backend.warmup(self.step_sizes, progress)
 
     def close(self) -> None:
         """Stop the batching scheduler's threads: every push waiting in it fails at once with a clear error (a push
@@ -430,47 +236,6 @@ class StreamingVocoder:
         # Not a registered stream: no slot, no limit. Unbounded steps: one pass, as upstream computes it.
         return VocoderStream(self, one_pass=True)._advance(mel, final=True)
 
-def validate_mel(mel: Any, channels: int) -> np.ndarray:
-    """``[C, T]`` or ``[1, C, T]`` real floats -> contiguous float32 ``[C, T]``; raise :class:`MelError` otherwise.
-
-    float64/float16 input is converted to float32 (what the graphs compute in); integer, bool and complex arrays
-    are refused (a mel is never integer; an integer array is almost certainly the wrong input).
-    """
-    return validate_mel_range(mel, channels)[0]
-
-
-def validate_mel_range(mel: Any, channels: int) -> tuple[np.ndarray, float, float]:
-    """:func:`validate_mel`, and the chunk's smallest and largest value (0, 0 when empty)."""
-    if not isinstance(mel, np.ndarray):
-        try:
-            mel = np.asarray(mel)
-        except Exception as exc:  # noqa: BLE001 - anything that is not array-like
-            raise MelError(f"mel must be a NumPy array, got {type(mel).__name__}") from exc
-    if mel.ndim == 3:
-        if mel.shape[0] != 1:
-            raise MelError(f"mel has batch size {mel.shape[0]}; a stream takes one utterance: [{channels}, T] or "
-                           f"[1, {channels}, T]")
-        mel = mel[0]
-    if mel.ndim != 2:
-        raise MelError(f"mel must be [{channels}, T] or [1, {channels}, T], got shape {tuple(mel.shape)}")
-    if mel.shape[0] != channels:
-        hint = " (is it [T, C]? transpose it)" if mel.shape[1] == channels else ""
-        raise MelError(f"mel has {mel.shape[0]} channels, the vocoder expects {channels} mel bins{hint}")
-    if mel.dtype != np.float32 and not np.issubdtype(mel.dtype, np.floating):  # float32 first: the common case
-        raise MelTypeError(f"mel has dtype {mel.dtype}; expected float32 (float64/float16 are converted)")
-    mel = np.ascontiguousarray(mel, dtype=np.float32)
-    if mel.size == 0:
-        return mel, 0.0, 0.0
-    # min and max carry any NaN or Inf (two reductions, also what the range warning needs, instead of isfinite's
-    # array and its all(): the per-push cost counts at thousands of pushes a second).
-    lo, hi = float(mel.min()), float(mel.max())
-    if not math.isfinite(lo + hi):
-        bad = np.argwhere(~np.isfinite(mel))
-        raise MelError(f"mel has {bad.shape[0]} non-finite values (NaN/Inf), first at bin {bad[0][0]}, frame "
-                       f"{bad[0][1]} of this chunk; the stream is unchanged")
-    return mel, lo, hi
-
-
 class VocoderStream:
     """One utterance: ``push(mel_chunk) -> samples``, then ``finish() -> the held-back tail`` (or ``finish(last_chunk)``:
     the last chunk and the tail as one all-or-nothing call)."""
@@ -480,9 +245,9 @@ class VocoderStream:
         c = self._c = vocoder.constants
         # Steps without fixed sizes are at most this long; unbounded for the offline pass (one step, as upstream).
         self._max_step = None if one_pass else vocoder.max_step_frames
-        self._in_place = bool(getattr(vocoder.backend, "caches_in_place", False))
-        self._f0_in_place = bool(getattr(vocoder.backend, "f0_caches_in_place", False))
-        self._noise_positions = bool(getattr(vocoder.backend, "takes_noise_positions", False))
+        traits = vocoder.backend.traits
+        self._in_place, self._f0_in_place = traits.caches_in_place, traits.f0_caches_in_place
+        self._noise_positions = traits.noise_positions
         self._lock = threading.Lock()
         self._frames_in = 0
         self._position = 0  # frames the generator has computed; mel and F0 are kept from here on

@@ -75,7 +75,7 @@ def reference() -> dict[str, np.ndarray]:
 
 @pytest.fixture(scope="session")
 def reduced_config():
-    from hift_export.config import COSYVOICE3
+    from hift_model.config import COSYVOICE3
 
     return COSYVOICE3.reduced()
 
@@ -176,7 +176,7 @@ def small_artifacts():
 
 @pytest.fixture(scope="session")
 def small_hift(reduced_config):
-    from hift_export import load_hift
+    from hift_model import load_hift
 
     return load_hift(None, config=reduced_config)
 
@@ -197,7 +197,7 @@ def full_artifacts():
 def fixture_hift():
     if not CHECKPOINT.is_file():
         pytest.skip(f"{CHECKPOINT} not found")
-    from hift_export import load_hift
+    from hift_model import load_hift
 
     return load_hift(str(CHECKPOINT))
 

@@ -1,4 +1,4 @@
-"""The compiled engine (``hift_runtime.compiled``) on the CPU, reduced model: its slot pool, its noise gather and the
+"""The compiled engine (``hift_torch.compiled``) on the CPU, reduced model: its slot pool, its noise gather and the
 shared bookkeeping and scheduler, run eagerly (CI has no GPU; the compile and CUDA graphs run in test_gpu.py), equal
 the ONNX Runtime engine's streams on random schedules, interleaved and batched, with bad chunks and expiry; engine
 and precision selection."""
@@ -125,10 +125,10 @@ def test_two_call_lanes_replay_side_by_side_each_in_its_own_buffers(small_artifa
     import threading
     from types import SimpleNamespace
 
-    from hift_runtime.compiled import CompiledBackend
+    from hift_torch.compiled import CompiledBackend
     from hift_runtime.manifest import read_manifest
     from hift_runtime.noise import NoiseTable
-    from hift_runtime.streaming import StreamConstants
+    from hift_runtime.contract import StreamConstants
 
     manifest = read_manifest(small_artifacts.out)
     c = StreamConstants.from_manifest(manifest.config, manifest.step)
@@ -182,14 +182,14 @@ def test_two_call_lanes_replay_side_by_side_each_in_its_own_buffers(small_artifa
 
 @pytest.mark.parametrize("final, window, ends", [(True, 28, [1, 13, 28]), (False, 24, [1, 7, 20, 24])])
 def test_a_step_in_a_window_equals_the_step_of_each_rows_frames(reduced_config, final, window, ends):
-    """``hift_export.step.generator_step(..., frames=...)``: rows ending at ``ends`` frames of one window (zeros past
+    """``hift_model.step.generator_step(..., frames=...)``: rows ending at ``ends`` frames of one window (zeros past
     each end), at an utterance's start and mid-stream (random caches), each equal to the step of its own frames alone.
     The final step: its audio (the end's reflection, the iSTFT's last frames and envelope follow each row). The stream
     step: its audio, its phase and every cache (each taken at the row's own end, at its stage's rate)."""
     import torch
 
-    from hift_export import load_hift
-    from hift_export.step import generator_cache_layout, generator_step
+    from hift_model import load_hift
+    from hift_model.step import generator_cache_layout, generator_step
 
     gen = load_hift(None, config=reduced_config, spectral="conv").generator
     spf, sines = reduced_config.samples_per_frame, reduced_config.num_sines
@@ -347,7 +347,7 @@ def test_channels_last_convolutions_stream_as_channels_first(small_artifacts, or
     weights."""
     import torch
 
-    from hift_export.layers import Conv1d
+    from hift_model.layers import Conv1d
     from hift_runtime import CudaOptions
 
     vocoder = open_vocoder(small_artifacts.out, device="cpu", engine="compiled",
@@ -367,11 +367,11 @@ def test_channels_last_convolutions_stream_as_channels_first(small_artifacts, or
 
 
 def test_conv_layout_is_checked(small_artifacts):
-    from hift_export.config import HiFTConfig
-    from hift_export.layers import store_channels_last
-    from hift_export.model import build_unfolded
+    from hift_model.config import HiFTConfig
+    from hift_model.layers import store_channels_last
+    from hift_model.model import build_unfolded
     from hift_runtime import CudaOptions
-    from hift_runtime.compiled import DEFAULT_CONV_LAYOUT
+    from hift_torch.compiled import DEFAULT_CONV_LAYOUT
 
     assert open_vocoder(small_artifacts.out, device="cpu", engine="compiled").backend.conv_layout == \
         DEFAULT_CONV_LAYOUT["fp32"] == "channels-first"
@@ -392,7 +392,7 @@ def test_the_shorter_steps_are_captured_at_fewer_batch_sizes(compiled_cpu, small
     at the short ladder and the largest size; a call pads to its own shape's ladder. By default every step at every
     size."""
     from hift_runtime import CudaOptions
-    from hift_runtime.compiled import BATCH_SIZES, CompiledBackend
+    from hift_torch.compiled import BATCH_SIZES, CompiledBackend
     from hift_runtime.sessions import SHORT_STEP_BATCH_SIZES
 
     backend = CompiledBackend(compiled_cpu.backend.manifest, compiled_cpu.constants, device="cpu",
@@ -456,7 +456,8 @@ def test_a_push_whose_f0_step_wrote_its_device_row_cannot_be_undone(small_artifa
     import threading
 
     from hift_runtime.batching import PushScheduler
-    from hift_runtime.streaming import CancelToken, StreamingVocoder
+    from hift_runtime.engine import CancelToken
+    from hift_runtime.streaming import StreamingVocoder
 
     from .test_hardening import FaultyBackend, InjectedFault
 
@@ -497,7 +498,7 @@ def test_shared_host_buffers_give_each_graph_its_rows_then_zeros():
     """The CUDA graphs of one step shape share pinned host buffers (``_Mirrors``, one call at a time): whatever calls
     came before, a graph of batch B reads the call's rows and then zeros (slot 0, the scratch row), never rows a
     larger call left (their slots would be read and written). The buffers' logic, on plain arrays."""
-    from hift_runtime.compiled import _Mirrors
+    from hift_torch.compiled import _Mirrors
 
     mirrors = _Mirrors.__new__(_Mirrors)
     mirrors.host_in = [np.zeros((16, 3), np.float32), np.zeros((16, 1), np.int64), np.zeros((16, 1), bool)]
@@ -519,7 +520,7 @@ def test_side_by_side_compiles_report_each_worker_and_survive_a_failed_one():
     then compiles that shape itself)."""
     import sys
 
-    from hift_runtime.compile_workers import compile_side_by_side
+    from hift_torch.compile_workers import compile_side_by_side
 
     said: list[str] = []
     seconds = compile_side_by_side({"generator:24": [sys.executable, "-c", "pass"],
@@ -536,9 +537,9 @@ def test_a_first_warmup_compiles_side_by_side_once(small_artifacts, tmp_path, mo
     import torch
     from types import SimpleNamespace
 
-    from hift_runtime.compile_workers import precompile
+    from hift_torch.compile_workers import precompile
     from hift_runtime.manifest import read_manifest
-    from hift_runtime.streaming import StreamConstants
+    from hift_runtime.contract import StreamConstants
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     manifest = read_manifest(small_artifacts.out)
@@ -563,7 +564,7 @@ def test_choosing_threads_deal_the_shapes_and_capture_where_they_chose():
 
     import torch
 
-    from hift_runtime.compiled import _ChoosingThreads
+    from hift_torch.compiled import _ChoosingThreads
 
     shapes = [("generator", 24, 2), ("generator", 24, 256), ("generator", 8, 64), ("final", 28, 2), ("f0", 24, 2)]
     threads = _ChoosingThreads(torch.device("cpu"), shapes, 2)
@@ -585,7 +586,7 @@ def test_choosing_threads_deal_the_shapes_and_capture_where_they_chose():
 
 
 def test_the_choosing_threads_default_to_what_the_device_memory_holds(small_artifacts, compiled_cpu):
-    from hift_runtime.compiled import CUDNN_THREAD_BYTES, CompiledBackend, cudnn_threads_for_memory
+    from hift_torch.compiled import CUDNN_THREAD_BYTES, CompiledBackend, cudnn_threads_for_memory
     from hift_runtime.sessions import CudaOptions
 
     assert cudnn_threads_for_memory(0) == 1 and cudnn_threads_for_memory(3 * CUDNN_THREAD_BYTES + 1) == 3
@@ -604,7 +605,7 @@ def test_cudnn_chooses_by_the_precisions_default_or_as_asked(compiled_cpu, monke
     words, and it sets cuDNN's benchmark switch."""
     import torch
 
-    import hift_runtime.compiled as compiled
+    import hift_torch.compiled as compiled
     from hift_runtime.sessions import cudnn_threads_at_most
 
     assert compiled.DEFAULT_CUDNN_ALGORITHMS == {"fp32": "heuristics", "tf32": "heuristics", "fp16": "heuristics"}
@@ -640,7 +641,7 @@ def test_the_compiled_graphs_take_the_cache_pool_at_any_slot_count(compiled_cpu)
     compile in inductor's cache serves every slot count (benchmarks/slots_cache.py: on the CPU a process at 64 or
     2 048 slots loaded the graph compiled at 16; static, each slot count compiled anew). Nothing is marked where the
     step runs eagerly. (The compile itself is too slow for CI: the benchmark runs it.)"""
-    from hift_runtime.compiled import CompiledBackend
+    from hift_torch.compiled import CompiledBackend
 
     manifest, constants = compiled_cpu.backend.manifest, compiled_cpu.constants
     compiling = CompiledBackend(manifest, constants, device="cpu", compile=True, slots=8)
@@ -653,7 +654,7 @@ def test_the_step_window_is_fp32s_default_where_cuda_graphs_are_captured(compile
     """CudaOptions.step_window None: the precision's default (on in fp32, off in tf32 and fp16: measured there to
     cost device time per row), and only where CUDA graphs are captured (the CPU runs a graph per step size); an
     explicit value wins."""
-    import hift_runtime.compiled as compiled
+    import hift_torch.compiled as compiled
 
     assert compiled.DEFAULT_STEP_WINDOW == {"fp32": True, "tf32": False, "fp16": False}
     manifest, constants = compiled_cpu.backend.manifest, compiled_cpu.constants
@@ -674,10 +675,10 @@ def test_warmup_loads_graphs_while_threads_choose_and_captures_in_the_choosers(s
 
     import torch
 
-    import hift_runtime.compiled as compiled
+    import hift_torch.compiled as compiled
     from hift_runtime.manifest import read_manifest
     from hift_runtime.noise import NoiseTable
-    from hift_runtime.streaming import StreamConstants
+    from hift_runtime.contract import StreamConstants
 
     manifest = read_manifest(small_artifacts.out)
     backend = compiled.CompiledBackend(manifest, StreamConstants.from_manifest(manifest.config, manifest.step),
@@ -746,7 +747,7 @@ def test_each_worker_s_graph_is_loaded_as_soon_as_it_is_compiled():
     import sys
     import threading
 
-    from hift_runtime.compile_workers import compile_side_by_side
+    from hift_torch.compile_workers import compile_side_by_side
 
     quick, slow = [sys.executable, "-c", "pass"], [sys.executable, "-c", "import time; time.sleep(2)"]
     said: list[str] = []
@@ -772,7 +773,7 @@ def test_the_warm_marker_names_what_the_graphs_depend_on(small_artifacts, tmp_pa
     import torch
     from types import SimpleNamespace
 
-    from hift_runtime.compile_workers import warm_marker
+    from hift_torch.compile_workers import warm_marker
     from hift_runtime.manifest import read_manifest
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
@@ -796,7 +797,7 @@ def test_time_major_cache_rows_hold_each_cache_transposed():
     import torch
     from types import SimpleNamespace
 
-    from hift_runtime.compiled import _CacheRows
+    from hift_torch.compiled import _CacheRows
 
     specs = (SimpleNamespace(name="a", shape=[3, 2]), SimpleNamespace(name="b", shape=[1, 4]))
     rows = _CacheRows(specs, 3, torch.float32, torch.device("cpu"), "channels-last")
@@ -816,7 +817,7 @@ def test_workers_start_with_a_python_even_inside_an_embedding_process(monkeypatc
     import os
     import sys
 
-    from hift_runtime import compile_workers
+    from hift_torch import compile_workers
 
     assert compile_workers.python_executable() == sys.executable
     monkeypatch.setattr(sys, "executable", "/opt/tritonserver/backends/python/triton_python_backend_stub")
@@ -914,8 +915,8 @@ def test_a_padding_row_of_a_window_stays_in_bounds(reduced_config, final):
     hit ATen's device assert), and the real rows are the same as beside a full row."""
     import torch
 
-    from hift_export import load_hift
-    from hift_export.step import generator_cache_layout, generator_step
+    from hift_model import load_hift
+    from hift_model.step import generator_cache_layout, generator_step
 
     gen = load_hift(None, config=reduced_config, spectral="conv").generator
     spf, sines = reduced_config.samples_per_frame, reduced_config.num_sines

@@ -10,11 +10,11 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from hift_export import load_hift
+from hift_model import load_hift
 from hift_export.cli import main as export_main
 from hift_export.graphs import F0StepGraph, GeneratorStepGraph
 from hift_export.onnx_export import op_types
-from hift_export.step import f0_cache_layout, generator_cache_layout
+from hift_model.step import f0_cache_layout, generator_cache_layout
 from hift_export.targets import (ARTIFACT_FILES, example_f0_step_inputs, example_generator_step_inputs,
                                  flat_arrays)
 from hift_runtime.manifest import (F0_STEP, FORMAT_VERSION, GENERATOR_STEP, GENERATOR_STEP_FINAL,
@@ -76,7 +76,7 @@ def test_cache_layout_in_manifest_and_graphs(which, request):
     zero initial value; the layout is derived from the config (independently recomputed here)."""
     result = request.getfixturevalue(f"{which}_artifacts")
     manifest = result.manifest
-    from hift_export.config import HiFTConfig
+    from hift_model.config import HiFTConfig
 
     config = HiFTConfig.from_dict(manifest["config"])
     gen, f0 = manifest["step"]["generator_caches"], manifest["step"]["f0_caches"]
@@ -231,9 +231,9 @@ def test_export_replaces_the_whole_folder(small_artifacts, tmp_path):
 def test_failed_export_leaves_the_earlier_export(small_artifacts, tmp_path, reduced_config):
     import shutil
 
-    from hift_export import CheckpointError
+    from hift_model import CheckpointError
     from hift_export.export import export_artifacts
-    from hift_export.model import random_state_dict
+    from hift_model.model import random_state_dict
 
     out = tmp_path / "artifacts"
     shutil.copytree(small_artifacts.out, out)

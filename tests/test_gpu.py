@@ -69,7 +69,7 @@ def test_gpu_helpers_on_the_cpu():
     """The CUDA path's host-side helpers, which CI can run: batch padding, slot indices and the step split every push
     goes through."""
     from hift_runtime.sessions import Slot, _pad_rows, _slot_indices
-    from hift_runtime.streaming import split_steps
+    from hift_runtime.engine import split_steps
 
     padded = _pad_rows(np.ones((3, 2), np.float32), 8)
     assert padded.shape == (8, 2) and padded[:3].all() and not padded[3:].any()
@@ -335,7 +335,7 @@ def test_compiled_streams_match_the_cpu_ep(small_artifacts, compiled_gpu):
     mode B, the step window): each stream equals the CPU EP's stream within the ORT CUDA EP's bar, and 64 concurrent
     streams each equal their solo run on the engine (the solo runs' quiet pushes made in the scheduling thread:
     inline_lone_calls is on over CUDA graphs)."""
-    from hift_runtime.compiled import compile_count
+    from hift_torch.compiled import compile_count
 
     assert compiled_gpu.backend.name == "compiled[cuda:fp32]"
     assert compiled_gpu.backend.cudnn_algorithms == "heuristics" and compiled_gpu.backend.step_window_frames == 24
@@ -365,7 +365,7 @@ def test_compiled_streams_match_the_cpu_ep(small_artifacts, compiled_gpu):
 def test_a_warmed_cache_is_marked_and_a_second_start_runs_no_workers(small_artifacts, compiled_gpu):
     """After the first warmup (side by side, or in turn where a worker failed) the marker says the cache is warm; a
     second engine of the same settings starts without workers and compiles nothing new (loads from the cache)."""
-    from hift_runtime.compile_workers import warm_marker
+    from hift_torch.compile_workers import warm_marker
 
     backend = compiled_gpu.backend
     assert warm_marker(backend, backend.step_sizes).exists()
@@ -423,7 +423,7 @@ def test_two_call_lanes_stream_as_one_lane_does(small_artifacts, compiled_gpu):
     """CudaOptions(call_lanes=2): every shape captured twice, two batched calls at once (one's host part beside the
     other's replay). 32 concurrent streams each equal the one-lane engine's stream of the same schedule, nothing is
     compiled after warmup, both lanes are free and every slot is returned."""
-    from hift_runtime.compiled import compile_count
+    from hift_torch.compiled import compile_count
 
     two = open_vocoder(small_artifacts.out, device="cuda", engine="compiled", max_wait_ms=5,
                        cuda=CudaOptions(call_lanes=2))
@@ -449,7 +449,7 @@ def _fp32_opt_ins_against_the_cpu(artifacts: str) -> list[tuple[float, float]]:
     8 streams; each stream's (max abs, SNR dB)."""
     import os
 
-    from hift_runtime.compiled import HEURISTIC_MODE_B_ENV
+    from hift_torch.compiled import HEURISTIC_MODE_B_ENV
 
     # (set by this module's default engine in the parent and inherited: dropped, so this process starts as a server's
     # fp32 process on the benchmark would; torch reads it once, at the first heuristic convolution)
@@ -501,9 +501,9 @@ PRECISION_BOUND_DB = {"tf32": 58.0, "fp16": 52.0}
 def test_compiled_faster_precisions_stay_within_their_bounds(small_artifacts, precision):
     """tf32 and fp16: each stream within its precision's measured distance of the CPU's, finite on inputs across
     the accepted log-mel range (-30 .. 15), nothing compiled after warmup, every slot returned."""
-    from hift_runtime.compiled import compile_count
+    from hift_torch.compiled import compile_count
 
-    from hift_runtime.compiled import DEFAULT_CONV_LAYOUT
+    from hift_torch.compiled import DEFAULT_CONV_LAYOUT
 
     vocoder = open_vocoder(small_artifacts.out, device="cuda", engine="compiled", precision=precision, max_wait_ms=5)
     vocoder.warmup()
@@ -537,7 +537,7 @@ def test_eager_step_graphs_index_in_bounds_on_padded_batches(small_artifacts, mo
     each equal to the CPU EP's stream."""
     import functools
 
-    from hift_runtime import compiled
+    from hift_torch import compiled
 
     monkeypatch.setattr(compiled, "CompiledBackend", functools.partial(compiled.CompiledBackend, compile=False))
     vocoder = open_vocoder(small_artifacts.out, device="cuda", engine="compiled", max_batch=16, max_wait_ms=5,

@@ -16,7 +16,9 @@ import pytest
 from hift_runtime import StreamError, open_vocoder
 from hift_runtime.batching import PushScheduler, SchedulerClosed
 from hift_runtime.serving import MAX_STREAM_ID_BYTES, ChunkRequest, StreamTable
-from hift_runtime.streaming import CancelToken, PushCancelled, StreamingVocoder
+from hift_runtime.engine import CancelToken
+from hift_runtime.errors import PushCancelled
+from hift_runtime.streaming import StreamingVocoder
 
 from .conftest import max_abs, run_in_threads
 from .test_streaming import random_mel

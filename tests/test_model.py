@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from hift_export import COSYVOICE3, CheckpointError, count_weight_norms, fold_weight_norms, load_hift
-from hift_export.checkpoint import F0_PREFIX
-from hift_export.model import build_unfolded, random_state_dict
+from hift_model import COSYVOICE3, CheckpointError, count_weight_norms, fold_weight_norms, load_hift
+from hift_model.checkpoint import F0_PREFIX
+from hift_model.model import build_unfolded, random_state_dict
 
 from .conftest import CHECKPOINT, SPEC, max_abs, needs_fixtures
 
@@ -132,7 +132,7 @@ def test_fold_in_any_grad_mode_gives_ordinary_frozen_parameters(mode, reduced_co
 
 
 def test_loading_into_folded_instance_is_refused(reduced_config):
-    from hift_export.checkpoint import load_strict, normalize_keys, split_f0
+    from hift_model.checkpoint import load_strict, normalize_keys, split_f0
 
     state = random_state_dict(reduced_config)
     generator, _ = build_unfolded(reduced_config)
@@ -197,7 +197,7 @@ class _Evil:
 
 
 def _assert_nothing_folded(monkeypatch):
-    import hift_export.model as model_module
+    import hift_model.model as model_module
 
     calls = []
     real = model_module.fold_weight_norms
@@ -298,7 +298,7 @@ def test_the_source_phase_rounds_alike_where_division_by_a_number_is_a_reciproca
     one-ulp change of one frame's ``f0*h/sr`` moves every later phase: dividing by the sample rate as a Python number
     on the H200 (eager CUDA multiplies by the reciprocal) put the GPU's source 57 dB and a 20 s stream 66 dB from the
     CPU's. The module divides by a tensor, which every device divides exactly; here the CUDA rule is emulated."""
-    from hift_export.source import HarmonicSource
+    from hift_model.source import HarmonicSource
 
     source = HarmonicSource(reduced_config)
     f0 = torch.linspace(80.0, 420.0, 1000, dtype=torch.float32).reshape(1, -1)

@@ -572,7 +572,7 @@ def test_a_model_that_fails_to_load_is_said_in_one_line():
 
     line = ('E1202 01:18:56.883575 917 model_lifecycle.cc:642] "failed to load \'hift_vocoder\' version 1: Internal: '
             "ArtifactError: the compiled engine was asked for CUDA, but torch sees no CUDA device; use engine='ort'"
-            '\\n\\nAt:\\n  /x/hift_runtime/compiled.py(132): __init__\\n"')
+            '\\n\\nAt:\\n  /x/hift_torch/compiled.py(132): __init__\\n"')
     assert load_failure("I... other line\n" + line + "\n", "hift_vocoder") == (
         "ArtifactError: the compiled engine was asked for CUDA, but torch sees no CUDA device; use engine='ort'")
     assert load_failure(line, "other_model") is None

@@ -42,7 +42,7 @@ def small_vocoder(small_artifacts):
 
 @pytest.fixture(scope="module")
 def small_reference(small_artifacts):
-    from hift_export.parity import reference_backend
+    from hift_torch.parity import reference_backend
 
     return reference_backend(open_vocoder(small_artifacts.out, device="cpu").backend.manifest)
 
@@ -64,7 +64,7 @@ def offline_eager(hift, mel, noise_table):
 def small_eager(reduced_config):
     import torch
 
-    from hift_export import load_hift
+    from hift_model import load_hift
 
     return load_hift(None, config=reduced_config, spectral="conv", f0_dtype=torch.float64)
 
@@ -117,7 +117,7 @@ def test_fixture_stream_matches_upstream(full_artifacts, reference, fixture_nois
 @needs_fixtures
 def test_fixture_ort_vs_eager_per_step(full_artifacts, reference, fixture_noise_npy):
     schedule = [24] * 9  # (one 200-frame push is the offline pass: test_full_graphs_on_fixture_reproduce_upstream)
-    from hift_export.parity import reference_backend, run_parity
+    from hift_torch.parity import reference_backend, run_parity
 
     vocoder = open_vocoder(full_artifacts.out, device="cpu", noise_table=fixture_noise_npy)
     report, ours, theirs = run_parity(vocoder, reference_backend(vocoder.backend.manifest),
@@ -156,7 +156,7 @@ def test_schedules_equal_offline(small_vocoder, small_eager, name):
 
 @pytest.mark.parametrize("name", ["all7", "empty_in_middle"])
 def test_schedules_ort_vs_eager_step_by_step(small_vocoder, small_reference, name):
-    from hift_export.parity import run_parity
+    from hift_torch.parity import run_parity
 
     mel = random_mel(150, seed=3)
     sizes = [s for s in SCHEDULES[name] * 30][:40]
@@ -249,7 +249,7 @@ def test_wrapped_phase_differs_and_is_more_accurate_on_long_streams(small_artifa
     exact float64 phase than upstream's float32 rounding of the unwrapped running sum."""
     import torch
 
-    from hift_export import load_hift
+    from hift_model import load_hift
 
     mel = random_mel(1500, 7)
     upstream = open_vocoder(small_artifacts.out, device="cpu")
@@ -272,7 +272,7 @@ def test_wrapped_phase_differs_and_is_more_accurate_on_long_streams(small_artifa
 
 
 def upstream_config(artifacts):
-    from hift_export.config import HiFTConfig
+    from hift_model.config import HiFTConfig
 
     return HiFTConfig.from_dict(artifacts.manifest["config"])
 
@@ -438,7 +438,7 @@ def test_emitted_chunks_do_not_pin_step_buffers(small_vocoder):
 @given(st.integers(-2, 400), st.sampled_from([(24, 8, 4, 1), tuple(range(24, 0, -1)), (24, 16, 8, 4, 2, 1), (1,)]))
 def test_a_push_splits_greedily_into_the_allowed_step_sizes(count, sizes):
     """split_steps: the largest allowed sizes first (its one-step shortcut for a count that is a size included)."""
-    from hift_runtime.streaming import split_steps
+    from hift_runtime.engine import split_steps
 
     expected, left = [], count
     for size in sorted(sizes, reverse=True):

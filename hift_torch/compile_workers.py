@@ -1,13 +1,13 @@
 """The compiled engine's first start: its step graphs compiled in processes side by side, into inductor's on-disk
-cache, before :meth:`~hift_runtime.compiled.CompiledBackend.warmup` loads them from it.
+cache, before :meth:`~hift_torch.compiled.CompiledBackend.warmup` loads them from it.
 
 Compiled in turn, the five step graphs (the stream step at 24, 8, 4 and 1 frames, the final step) took 265-345 s of a
 351-425 s cold start on an H200; side by side in five processes they took 128 s, and the warmup then loaded them from
 the cache in 36-38 s (BENCHMARKS.md, "fp16 channels-last"). A compile's cache entry is keyed by its graph and its
 inputs' shapes, so a worker builds the same backend as the engine (precision, layout, device cache slots) and
-compiles its shape as warmup would (:meth:`~hift_runtime.compiled.CompiledBackend.compile_shape`). Meanwhile the
+compiles its shape as warmup would (:meth:`~hift_torch.compiled.CompiledBackend.compile_shape`). Meanwhile the
 starting process does what needs no compiled graph (its threads choose cuDNN's algorithms for the shapes it will
-capture: ``hift_runtime.compiled._ChoosingThreads``), and loads each worker's graph from the cache as soon as that
+capture: ``hift_torch.compiled._ChoosingThreads``), and loads each worker's graph from the cache as soon as that
 worker is done, while the others still compile.
 
 Once a warmup has finished, a marker in inductor's cache folder (:func:`warm_marker`) says the cache holds this
@@ -18,7 +18,7 @@ CUDA context, the model and the device cache pool (1.2 GB at 2 048 slots) while 
 
 One worker (what the engine runs; not a user command)::
 
-    python -m hift_runtime.compile_workers --artifacts DIR --precision fp16 --slots 2048 --device cuda:0 \\
+    python -m hift_torch.compile_workers --artifacts DIR --precision fp16 --slots 2048 --device cuda:0 \\
         --conv-layout channels-last --final-window on --shape generator:24
 """
 
@@ -38,8 +38,8 @@ from typing import Any
 
 # Source files whose code shapes the compiled graphs: a change in them makes the marker stale (inductor's own keys
 # change with the graphs; the marker must not claim a warm cache that no longer matches).
-_GRAPH_SOURCES = ("hift_export/step.py", "hift_export/layers.py", "hift_export/generator.py",
-                  "hift_export/spectral_ops.py", "hift_runtime/compiled.py")
+_GRAPH_SOURCES = ("hift_model/step.py", "hift_model/layers.py", "hift_model/generator.py",
+                  "hift_model/spectral_ops.py", "hift_torch/compiled.py")
 
 
 def python_executable() -> str:
@@ -58,7 +58,7 @@ def compile_units(step_sizes: tuple[int, ...], final_frames: int) -> list[tuple[
 
 def worker_command(backend: Any, kind: str, size: int) -> list[str]:
     """The command that compiles ``backend``'s step ``kind`` of ``size`` frames into the cache, in a new process."""
-    return [python_executable(), "-m", "hift_runtime.compile_workers", "--artifacts", str(backend.manifest.root),
+    return [python_executable(), "-m", "hift_torch.compile_workers", "--artifacts", str(backend.manifest.root),
             "--precision", backend.precision, "--slots", str(backend.cache_slots), "--device", str(backend.device),
             "--conv-layout", backend.conv_layout, "--cache-layout", backend.cache_layout,
             "--final-window", "on" if backend.final_window_frames else "off",
@@ -166,9 +166,9 @@ def compile_one(artifacts: str, precision: str, slots: int, device: str, conv_la
                 kind: str, size: int, final_window: bool = True, step_window: bool = False) -> float:
     """Build the engine's backend as the parent process has it and compile one step shape; seconds."""
     from .compiled import CompiledBackend
-    from .manifest import read_manifest
-    from .noise import NoiseTable
-    from .streaming import StreamConstants
+    from hift_runtime.manifest import read_manifest
+    from hift_runtime.noise import NoiseTable
+    from hift_runtime.contract import StreamConstants
 
     manifest = read_manifest(artifacts)
     constants = StreamConstants.from_manifest(manifest.config, manifest.step)

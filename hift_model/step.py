@@ -47,6 +47,10 @@ from .layers import CausalConv1d, Conv1d, ResBlock, nearest_upsample
 SOURCE_LOOK_AHEAD_FRAMES = 1
 AUDIO_LAG_FRAMES = 1
 
+# Precision inside the F0 step; its inputs and outputs are float32 either way. "fp64" computes like upstream
+# (bit-exact F0); "fp32" rounds differently with the input length (stepped F0 then differs from one pass).
+F0_PRECISIONS = {"fp64": torch.float64, "fp32": torch.float32}
+
 
 def step_contract(config: HiFTConfig, f0_dtype: str) -> dict[str, Any]:
     """What a runtime (or any engine) needs to drive the step graphs; written into the manifest."""

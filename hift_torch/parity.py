@@ -19,13 +19,14 @@ import numpy as np
 
 from hift_runtime.manifest import Manifest, sha256_file
 from hift_runtime.metrics import max_abs, snr_db
-from hift_runtime.streaming import StreamingVocoder, VocoderBackend
+from hift_runtime.engine import VocoderBackend
+from hift_runtime.streaming import StreamingVocoder
 
-from .backend import TorchBackend, torch_vocoder
-from .config import HiFTConfig
-from .export import F0_PRECISIONS
-from .checkpoint import CheckpointError
-from .model import load_hift
+from .eager import TorchBackend, torch_vocoder
+from hift_model.config import HiFTConfig
+from hift_model.checkpoint import CheckpointError
+from hift_model.model import load_hift
+from hift_model.step import F0_PRECISIONS
 
 # Tolerances (issue 4): stage F0 within 1e-5 of max |F0|, stage audio 1e-5 max abs, end to end >= 60 dB.
 STAGE_F0_RELATIVE = 1e-5

@@ -76,7 +76,7 @@ class HiFTConfig:
     @property
     def held_back_frames(self) -> int:
         """Frames upstream's non-final call withholds: F0 look-ahead + conv_pre look-ahead + 1 iSTFT frame (8). (The
-        step graphs hold back 5: see hift_export/step.py.)"""
+        step graphs hold back 5: see hift_model/step.py.)"""
         return self.f0_look_ahead + self.conv_pre_look_right + 1
 
     @property

@@ -1,5 +1,5 @@
 """Eager PyTorch as a :class:`hift_runtime.streaming.VocoderBackend`: the reference the ORT runtime is checked
-against, driven by the very same streaming bookkeeping and the very same step (:mod:`hift_export.step`)."""
+against, driven by the very same streaming bookkeeping and the very same step (:mod:`hift_model.step`)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ import numpy as np
 import torch
 
 from hift_runtime.noise import NoiseTable
-from hift_runtime.streaming import StreamConstants, StreamingVocoder
+from hift_runtime.contract import StreamConstants
+from hift_runtime.streaming import StreamingVocoder
 
-from .model import HiFT
-from .step import dtype_name, f0_step, generator_step, step_contract, zero_caches
+from hift_model.model import HiFT
+from hift_model.step import dtype_name, f0_step, generator_step, step_contract, zero_caches
 
 
 class TorchBackend:

@@ -1,4 +1,4 @@
-"""The compiled engine: the step (``hift_export.step``) compiled by ``torch.compile`` (inductor: elementwise chains
+"""The compiled engine: the step (``hift_model.step``) compiled by ``torch.compile`` (inductor: elementwise chains
 fused into Triton kernels, cuDNN convolutions), behind the same bookkeeping and scheduler as the ONNX Runtime engine.
 
 * **Weights**: the folded weights the exporter writes (``hift_folded.pt``, weights only, checked by hash like every
@@ -45,14 +45,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from .arrays import byte_view, copy_rows
-from .manifest import FOLDED_WEIGHTS, ArtifactError, Manifest
-from .noise import NoiseTable
-from .process_tuning import HANDOFF_SWITCH_INTERVAL_S, switch_interval_at_most
-from .sessions import (CALL_LANES, CUDNN_ALGORITHMS, DEFAULT_CUDNN_ALGORITHMS, DEFAULT_CUDNN_THREADS,
+from hift_runtime.arrays import byte_view, copy_rows
+from hift_runtime.manifest import FOLDED_WEIGHTS, ArtifactError, Manifest
+from hift_runtime.noise import NoiseTable
+from hift_runtime.process_tuning import HANDOFF_SWITCH_INTERVAL_S, switch_interval_at_most
+from hift_runtime.sessions import (CALL_LANES, CUDNN_ALGORITHMS, DEFAULT_CUDNN_ALGORITHMS, DEFAULT_CUDNN_THREADS,
                        DEFAULT_STEP_WINDOW, OFFLINE_SLOTS, PRECISIONS, cudnn_threads_at_most)
-from .slots import SlotRows
-from .streaming import StreamConstants
+from hift_runtime.slots import SlotRows
+from hift_runtime.contract import StreamConstants
 
 log = logging.getLogger("hift_runtime")
 DEFAULT_PRECISION = "fp32"
@@ -106,9 +106,9 @@ def cudnn_threads_for_memory(free_bytes: int, at_most: int = DEFAULT_CUDNN_THREA
 def load_folded(manifest: Manifest, device: torch.device) -> tuple[Any, Any]:
     """The generator (``spectral='conv'``, on ``device``) and the F0 predictor (in the export's F0 precision, on
     ``device``) with the exporter's folded weights."""
-    from hift_export.config import HiFTConfig
-    from hift_export.folding import fold_weight_norms
-    from hift_export.model import build_unfolded
+    from hift_model.config import HiFTConfig
+    from hift_model.folding import fold_weight_norms
+    from hift_model.model import build_unfolded
 
     path = manifest.path(FOLDED_WEIGHTS)
     config = HiFTConfig.from_dict(manifest.config)
@@ -312,7 +312,7 @@ class CompiledBackend:
     measured best (:data:`DEFAULT_CONV_LAYOUT`). ``cache_layout``: how the generator's cache rows lie on the device
     (``"channels-last"``: each cache time-major, for channels-last convolutions; on the H200 0.6 % off the fp16 step
     and 2.3 % off tf32 channels-last at B = 256, none at B = 2: off by default). ``compile_processes``: a first :meth:`warmup` (no marker of a warm
-    cache, :mod:`~hift_runtime.compile_workers`) compiles its step graphs in this many processes side by side (1: in
+    cache, :mod:`~hift_torch.compile_workers`) compiles its step graphs in this many processes side by side (1: in
     turn, in this process). ``short_step_batch_sizes``: the batch sizes captured for the shorter step sizes and the
     final step (those of ``batch_sizes`` in it, and the largest; None, the default: all of ``batch_sizes``;
     :data:`~hift_runtime.sessions.SHORT_STEP_BATCH_SIZES` is measured there). ``final_window``: the final step as
@@ -422,7 +422,7 @@ class CompiledBackend:
         self.name = f"compiled[{self.device.type}:{precision}]" if self.compiled else f"torch[{self.device.type}]"
         self.generator, self.predictor = load_folded(manifest, self.device)
         if conv_layout == "channels-last":
-            from hift_export.layers import store_channels_last
+            from hift_model.layers import store_channels_last
 
             store_channels_last(self.generator)
         self._trunk_dtype = torch.float16 if precision == "fp16" else None
@@ -490,7 +490,7 @@ class CompiledBackend:
                       frames: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The step after its source (what is compiled): reads the slots' cache rows; a stream step writes them
         back (the final step leaves them: the stream ends). ``frames``: a step in a window, each row's frames."""
-        from hift_export.step import generator_step
+        from hift_model.step import generator_step
 
         caches = self._generator_rows.read(slots, first)
         audio, phase, new = generator_step(self.generator, mel, None, None, phase_in, first, caches, final,
@@ -530,7 +530,7 @@ class CompiledBackend:
 
     def _f0(self, mel: torch.Tensor, first: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor]:
         """The F0 step reading its caches from the slots' F0 rows (zeros for a fresh row) and writing them back."""
-        from hift_export.step import f0_step
+        from hift_model.step import f0_step
 
         f0, nxt = f0_step(self.predictor, mel, self._f0_rows.read(slots, first), one_gemm=True)
         self._f0_rows.write(slots, nxt)
@@ -652,7 +652,7 @@ class CompiledBackend:
         Three things at once, then the captures: :attr:`cudnn_threads` threads run the eager step at every generator
         and final shape, so that cuDNN chooses each convolution's algorithm (by its benchmark or its heuristic mode B:
         :attr:`cudnn_algorithms`; :class:`_ChoosingThreads`); a first start's workers compile the step graphs side
-        by side (:mod:`~hift_runtime.compile_workers`); and this thread makes each graph's first call (dynamo's load
+        by side (:mod:`~hift_torch.compile_workers`); and this thread makes each graph's first call (dynamo's load
         of the compile from inductor's cache, or the compile itself), a worker's graph as soon as it is done. Then
         each shape is captured, a generator or final shape in the thread that chose its algorithms (the compiled
         graphs' convolutions are the same cuDNN calls, so they find the choices made), one at a time. All of it under

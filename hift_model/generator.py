@@ -1,8 +1,8 @@
 """The CosyVoice3 HiFT generator (upstream ``CausalHiFTGenerator``, generator.py:572-726) without its F0 predictor.
 
-State-dict keys and shapes are upstream's (311 keys; the F0 predictor's 17 live in :mod:`hift_export.f0_predictor`
+State-dict keys and shapes are upstream's (311 keys; the F0 predictor's 17 live in :mod:`hift_model.f0_predictor`
 and join under ``f0_predictor.`` to make the 328 of ``hift.pt``). The one entry point is :meth:`decode`, which takes
-the F0, the noise slice and the carried phase explicitly (see :mod:`hift_export.source`).
+the F0, the noise slice and the carried phase explicitly (see :mod:`hift_model.source`).
 
 Call semantics (upstream ``inference(finalize=...)`` after its F0 step), for ``N`` frames of mel and F0:
 

@@ -1,0 +1,180 @@
+"""The engine interface: what an inference engine declares (:class:`EngineTraits`) and does (:class:`VocoderBackend`),
+and how a push's steps reach it (:class:`StepCall`, :func:`drive`). The bookkeeping (``streaming.py``) and the
+scheduler (``batching.py``) read an engine only through these."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from .errors import PushCancelled
+
+
+@dataclass(frozen=True)
+class EngineTraits:
+    """What an engine can do, declared once; every field's default is the plain engine (ONNX Runtime on the CPU).
+
+    ``step_sizes``: the generator's fixed step sizes (containing 1, so any count splits); None: a step of any count.
+    ``f0_step_sizes``: the F0 step's own fixed sizes; None: the generator's.
+    ``step_window`` / ``final_window``: every stream (final) step of up to this many frames is one call of one graph,
+    zero past each row's frames, which follow ``final`` as an input ``[B, 1]`` int64; None: no window.
+    ``caches_in_place`` / ``f0_caches_in_place``: the generator's (F0 step's) caches live on the device and a step writes
+    them in place, so a step that ran cannot be undone.
+    ``noise_positions``: given ``use_noise_table(table)`` once, then each row's first sample index ``[B, 1]`` int64
+    instead of the noise rows.
+    ``calls_from_any_thread``: its calls may come from any thread (they take the engine's own lock).
+    ``inline_lone_calls``: a call is short enough (a graph replay) for a quiet lone push to make its calls in the
+    scheduling thread.
+    """
+
+    step_sizes: tuple[int, ...] | None = None
+    f0_step_sizes: tuple[int, ...] | None = None
+    step_window: int | None = None
+    final_window: int | None = None
+    caches_in_place: bool = False
+    f0_caches_in_place: bool = False
+    noise_positions: bool = False
+    calls_from_any_thread: bool = False
+    inline_lone_calls: bool = False
+
+
+class VocoderBackend(Protocol):
+    """What the bookkeeping needs from an inference engine. Arrays are batch-first NumPy; caches are opaque to the
+    bookkeeping (an engine may keep them on its device)."""
+
+    name: str
+    traits: EngineTraits
+
+    def new_caches(self, kind: str, batch: int = 1) -> Any:
+        """Zero caches (the utterance start) of ``kind`` ``"generator"`` or ``"f0"``."""
+        ...
+
+    def f0_step(self, mel: np.ndarray, caches: Any) -> tuple[np.ndarray, Any]:
+        """``mel [B, 80, c+3]`` float32 -> ``(f0 [B, c] float32, next caches)``."""
+        ...
+
+    def generator_step(self, mel: np.ndarray, f0: np.ndarray, noise: np.ndarray, phase_in: np.ndarray,
+                       first: np.ndarray, caches: Any, final: bool) -> tuple[np.ndarray, np.ndarray, Any]:
+        """One generator step (``hift_model.step``): ``(audio [B, S], phase_out [B, 9] float64, next caches)``; in a
+        window (:class:`EngineTraits`) each row's frames follow ``final``, a row's audio is its first
+        ``480 frames`` samples (``480 (frames + 1)`` for a final step)."""
+        ...
+
+    def warmup(self, step_sizes: tuple[int, ...] | None, progress: Callable[[str], None] | None = None) -> None:
+        """Prepare every step shape a stream can meet (compiles, CUDA graphs); a no-op where nothing is prepared."""
+        ...
+
+    def stream_capacity(self) -> int:
+        """The most streams the engine's memory holds at once."""
+        ...
+
+
+def padded_batch(rows: int, ladder: tuple[int, ...]) -> int:
+    """The batch a call of ``rows`` streams runs at: the smallest of the prepared ``ladder`` (ascending) that holds
+    them, else ``rows`` itself (an uncaptured shape)."""
+    return next((b for b in ladder if b >= rows), rows)
+
+
+def pad_rows(value: np.ndarray, batch: int) -> np.ndarray:
+    """``value`` with zero rows appended up to ``batch`` rows, C-contiguous (a captured graph has a fixed batch)."""
+    value = np.ascontiguousarray(value)
+    if value.shape[0] == batch:
+        return value
+    return np.concatenate([value, np.zeros((batch - value.shape[0], *value.shape[1:]), value.dtype)])
+
+
+def split_steps(count: int, sizes: tuple[int, ...] | None, max_size: int | None = None,
+                window: int | None = None) -> list[int]:
+    """``count`` frames as steps: greedily the largest allowed sizes (``sizes`` must contain 1, so every count
+    splits), or with ``sizes=None`` steps of ``max_size`` and one shorter remainder (one step if ``max_size`` is
+    None); with a ``window`` (an engine whose one graph takes any step up to that many frames) steps of the window
+    and one shorter remainder."""
+    if count <= 0:
+        return []
+    if window is not None:
+        return [window] * (count // window) + ([count % window] if count % window else [])
+    if sizes is not None and count in sizes:  # the common push (a 24-frame chunk): one step, as the greedy split
+        return [count]
+    if sizes is None:
+        if max_size is None:
+            return [count]
+        return [max_size] * (count // max_size) + ([count % max_size] if count % max_size else [])
+    out = []
+    for size in sorted(sizes, reverse=True):
+        while count >= size:
+            out.append(size)
+            count -= size
+    return out
+
+
+class CancelToken:
+    """Lets another thread cancel a push in progress (what ``apush`` does when its task is cancelled). A cancelled
+    push stops at its next backend call and leaves its stream unchanged, unless it has already written device caches
+    in place: then it runs to its end (a step that ran cannot be undone), and the push counts as done."""
+
+    def __init__(self) -> None:
+        self._cancelled = threading.Event()
+        self._callbacks: list[Any] = []
+        self._lock = threading.Lock()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
+
+    def on_cancel(self, callback: Any) -> None:
+        """Call ``callback`` when cancelled (at once if it already is)."""
+        with self._lock:
+            if not self._cancelled.is_set():
+                self._callbacks.append(callback)
+                return
+        callback()
+
+
+@dataclass(frozen=True)
+class StepCall:
+    """One backend call a push needs: ``kind`` ``"f0"`` (args of ``f0_step``) or ``"generator"``/``"final"`` (args
+    of ``generator_step`` without ``final``; a step in the engine's window has one more, ``frames``, passed after
+    ``final``). Calls of the same :attr:`key` from different streams can run as one batched call (their arrays
+    are batch-first with one row each)."""
+
+    kind: str
+    args: tuple[Any, ...]
+    # True for a step on an engine that writes its caches in place: once it ran, the push cannot be undone.
+    writes_caches: bool = False
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.kind, self.args[0].shape[2]  # the step's mel frames fix every input's shape
+
+    def run(self, backend: VocoderBackend) -> Any:
+        if self.kind == "f0":
+            return backend.f0_step(*self.args)
+        return backend.generator_step(*self.args[:6], self.kind == "final", *self.args[6:])
+
+
+def drive(steps: Generator[StepCall, Any, np.ndarray], backend: VocoderBackend,
+          cancel: CancelToken | None = None) -> np.ndarray:
+    """Run a push's steps (``VocoderStream``'s coroutine) one call at a time on ``backend``. Cancelled (``cancel``)
+    before a call that writes caches ran, it stops with :class:`PushCancelled`; after, it runs to its end."""
+    result, wrote = None, False
+    while True:
+        try:
+            call = steps.send(result)
+        except StopIteration as done:
+            return done.value
+        if cancel is not None and cancel.cancelled and not wrote:
+            steps.close()
+            raise PushCancelled("the push was cancelled; the stream is unchanged")
+        wrote |= call.writes_caches
+        result = call.run(backend)
