@@ -9,8 +9,8 @@ CPU arms (24-frame chunks, full size, 10 s stream; F0 included):
                  (64 history + 5 held back + 24 new): the work each push did before the step graphs
 GPU arms (--gpu; H200; TF32 off unless named):
   parity         ORT CUDA stream vs ORT CPU stream (max abs, SNR)
-  push_*         push latency through the runtime: plain CUDA EP, CUDA graphs (F0 step on the GPU, or on the CPU),
-                 TF32 on; first chunk; chunk 50 (steps 24 + 24 + 2: what the fixed step sizes cost)
+  push_*         push latency through the runtime: CUDA graphs, TF32 off and on; first chunk; chunk 50 (steps
+                 24 + 24 + 2: what the fixed step sizes cost)
   breakdown_*    a push split into F0 step, generator step and bookkeeping
   upstream       upstream token2wav semantics: every chunk re-vocodes all mel so far (eager, unfolded)
   step_eager     eager PyTorch step on CUDA through the bookkeeping
@@ -78,8 +78,14 @@ class TimingBackend:
     """Wraps a backend and adds up the wall time of its F0 and generator steps (the rest of a push is bookkeeping)."""
 
     def __init__(self, backend) -> None:
-        self.backend, self.name = backend, backend.name
+        self.backend, self.name, self.traits = backend, backend.name, backend.traits
         self.f0_s = self.gen_s = 0.0
+
+    def warmup(self, step_sizes, progress=None) -> None:
+        self.backend.warmup(step_sizes, progress)
+
+    def stream_capacity(self) -> int:
+        return self.backend.stream_capacity()
 
     def new_caches(self, kind: str, batch: int = 1):
         return self.backend.new_caches(kind, batch)
@@ -226,13 +232,12 @@ def upstream_arm(hift_unfolded, f0_module, mel: np.ndarray, chunk: int, noise_ta
 
 def generator_alone(artifacts: Path, manifest, batch_sizes: list[int], tf32: bool, ort) -> dict[str, Any]:
     """The generator step of 24 frames: NumPy run, IO binding on device buffers, CUDA graph replay; and batched."""
-    from hift_runtime.sessions import CudaOptions
     from hift_runtime.contract import StreamConstants
 
     c = StreamConstants.from_manifest(manifest.config, manifest.step)
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
-    cuda = CudaOptions(use_tf32=tf32).provider_options()
+    cuda = {"device_id": "0", "use_tf32": "1" if tf32 else "0", "cudnn_conv_algo_search": "HEURISTIC"}
     path = str(artifacts / "hift_generator_step.onnx")
     plain = ort.InferenceSession(path, opts, providers=[("CUDAExecutionProvider", cuda)])
     graphs = ort.InferenceSession(path, opts, providers=[("CUDAExecutionProvider", cuda | {"enable_cuda_graph": "1"})])
@@ -295,7 +300,7 @@ def gpu_arms(args, result: dict[str, Any]) -> None:
     from hift_model import load_hift
     from hift_torch.eager import torch_vocoder
     from hift_model.config import HiFTConfig
-    from hift_runtime import CudaOptions, open_vocoder
+    from hift_runtime import open_vocoder
 
     if hasattr(ort, "preload_dlls"):
         ort.preload_dlls()  # the CUDA and cuDNN libraries of the pip packages torch brought
@@ -305,12 +310,10 @@ def gpu_arms(args, result: dict[str, Any]) -> None:
     mel = synthetic_mel(int(args.seconds * 50))
     cpu = open_vocoder(artifacts, device="cpu")
     gpu, errors = {}, {}
-    for name, opts in (("plain", CudaOptions(cuda_graphs=False)), ("cuda_graphs", CudaOptions()),
-                       ("cuda_graphs_f0_cpu", CudaOptions(f0_on_cuda=False)),
-                       ("cuda_graphs_tf32", CudaOptions(use_tf32=True))):
+    for name, precision in (("cuda_graphs", "fp32"), ("cuda_graphs_tf32", "tf32")):
         try:
             t0 = time.perf_counter()
-            v = open_vocoder(artifacts, device="cuda", cuda=opts, engine="ort")
+            v = open_vocoder(artifacts, device="cuda", precision=precision, engine="ort")
             v.warmup()
             gpu[name] = (v, time.perf_counter() - t0)
         except Exception as exc:  # noqa: BLE001 - recorded in the results
@@ -364,7 +367,8 @@ def gpu_arms(args, result: dict[str, Any]) -> None:
     base = arms.get("push_cuda_graphs", {}).get("push", {}).get("median_ms")
     if base:
         result["gpu_ratios"] = {k: round(arms[k]["push"]["median_ms"] / base, 2)
-                                for k in ("push_plain", "step_eager_cuda", "upstream_revocode") if "push" in arms[k]}
+                                for k in ("push_cuda_graphs_tf32", "step_eager_cuda", "upstream_revocode")
+                                if "push" in arms.get(k, {})}
     import subprocess
 
     try:

@@ -49,8 +49,6 @@ def distances(got: np.ndarray, want: np.ndarray) -> dict[str, float]:
 
 
 def main() -> None:
-    from hift_runtime.sessions import CUDNN_ALGORITHMS
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--artifacts", required=True)
     p.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "fp16"])
@@ -60,8 +58,6 @@ def main() -> None:
     p.add_argument("--max-batch", type=int, default=256, help="largest batch captured (default 256)")
     p.add_argument("--group", help="a folder shared by runs side by side: timings wait for all, then one at a time")
     p.add_argument("--parties", type=int, default=1, help="how many runs share --group")
-    p.add_argument("--cudnn-algorithms", choices=CUDNN_ALGORITHMS, default=None,
-                   help="how cuDNN chooses (CudaOptions.cudnn_algorithms; default: the precision's)")
     args = p.parse_args()
     import os
 
@@ -69,7 +65,7 @@ def main() -> None:
 
     if args.parties > 1:  # side-by-side runs: CPU threads shared out (oversubscribed OpenMP slowed the CPU reference
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.parties))  # past 2 minutes on the H200 host)
-    from hift_runtime import CudaOptions, open_vocoder
+    from hift_runtime import open_vocoder
     from hift_torch.compiled import compile_count
 
     result: dict[str, Any] = {"when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -79,10 +75,9 @@ def main() -> None:
                               "precision": args.precision}
     t0 = time.perf_counter()
     vocoder = open_vocoder(args.artifacts, device="cuda", engine="compiled", precision=args.precision,
-                           batching=True, max_wait_ms=3, max_batch=args.max_batch,
-                           cuda=CudaOptions(cudnn_algorithms=args.cudnn_algorithms))
+                           batching=True, max_wait_ms=3, max_batch=args.max_batch)
     result["open_s"] = round(time.perf_counter() - t0, 1)
-    result["cudnn_algorithms"] = vocoder.backend.cudnn_algorithms  # as the engine resolved it
+    result["cudnn_choice"] = vocoder.backend.cudnn_choice()
     result["step_window_frames"] = vocoder.backend.step_window_frames
     print("opened in", result["open_s"], "s", flush=True)
     t0 = time.perf_counter()
@@ -165,15 +160,15 @@ def _exclusive(group: str | None, parties: int, name: str) -> Iterator[None]:
 
 def _time_steps(backend, c, timings: dict[str, Any]) -> None:
     for batch in (2, 64, 256):
-        graph = backend._graphs.get(("generator", 24, batch))
+        size = backend.step_window_frames or 24
+        graph = backend.captured("generator", size, batch)
         if graph is None:
             continue
-        slots = np.zeros(batch, np.int64)
-        values = [np.zeros((batch, c.in_channels, 24 + c.mel_look_ahead), np.float32) - 5,
-                  np.full((batch, 25), 200.0, np.float32), np.zeros((batch, 1), np.int64),
-                  np.zeros((batch, c.num_sines)), np.zeros((batch, 1), bool), slots]
+        values = [t.cpu().numpy() for t in backend.zero_inputs("generator", size, batch)]
+        values[0] -= 5  # a quiet mel, a voiced F0
+        values[1] += 200.0
         times = []
-        with backend._precision():
+        with backend.precision_scope():
             for _ in range(30):
                 s0 = time.perf_counter()
                 graph.run(values, batch)

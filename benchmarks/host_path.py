@@ -26,6 +26,8 @@ from typing import Any
 import numpy as np
 from bench_step import synthetic_mel  # one synthetic mel for every benchmark (same folder)
 
+from hift_runtime.engine import EngineTraits
+
 CHUNK, CHUNKS = 24, 40
 
 
@@ -37,6 +39,7 @@ class InstantDevice:
     the first reader (the bookkeeping, holding the GIL): a cost the benchmark would invent."""
 
     name = "instant"
+    traits = EngineTraits()
 
     def __init__(self, constants) -> None:
         self.c = constants
@@ -52,13 +55,19 @@ class InstantDevice:
         return object() if kind == "generator" else {s.name: s.zeros(batch) for s in self.c.f0_caches}
 
     def use_noise_table(self, noise) -> None:
-        """Called where the device takes noise positions (``takes_noise_positions``): nothing to gather."""
+        """Called where the device takes noise positions (its traits' ``noise_positions``): nothing to gather."""
 
     def f0_step(self, mel: np.ndarray, caches: Any) -> tuple[np.ndarray, Any]:
         return self._zeros(mel.shape[0], mel.shape[2] - self.c.f0_look_ahead), caches
 
+    def warmup(self, step_sizes, progress=None) -> None:
+        """Nothing to prepare."""
+
+    def stream_capacity(self) -> int:
+        return 1 << 20
+
     def generator_step(self, mel, f0, noise, phase_in, first, caches, final, frames=None):
-        """``frames``: a final step in the backend's window (``final_window_frames``): ``f0`` is the window's."""
+        """``frames``: a final step in the backend's window (its traits' ``final_window``): ``f0`` is the window's."""
         audio_frames = f0.shape[1] - (0 if final else self.c.source_look_ahead) + (1 if final else 0)
         audio = self._zeros(mel.shape[0], audio_frames * self.c.samples_per_frame)
         return audio, phase_in.copy(), None if final else caches
@@ -69,7 +78,7 @@ class InstantPositionsDevice(InstantDevice):
     which keeps the noise table on the GPU): the host path without the 432 KB of noise a 24-frame step gathers."""
 
     name = "instant-noise-positions"
-    takes_noise_positions = True
+    traits = EngineTraits(noise_positions=True)
 
 
 class ModelledDevice(InstantDevice):
@@ -138,11 +147,10 @@ def modelled_vocoder(constants, device: InstantDevice, batched: bool, max_wait_s
     from hift_runtime.batching import PushScheduler
     from hift_runtime.streaming import StreamingVocoder
 
-    step_sizes, device.f0_step_sizes = STEP_SIZES[sizes]
-    device.final_window_frames = (max(step_sizes) + constants.mel_look_ahead if sizes in FINAL_WINDOW_SIZES
-                                   else None)
-    if sizes != "ort":
-        device.takes_noise_positions = True
+    step_sizes, f0_step_sizes = STEP_SIZES[sizes]
+    device.traits = EngineTraits(
+        step_sizes=step_sizes, f0_step_sizes=f0_step_sizes, noise_positions=sizes != "ort" or device.traits.noise_positions,
+        final_window=max(step_sizes) + constants.mel_look_ahead if sizes in FINAL_WINDOW_SIZES else None)
     vocoder = StreamingVocoder(device, constants, step_sizes=step_sizes)
     if batched:
         vocoder.scheduler = PushScheduler(device, max_batch=256, max_wait_s=max_wait_s,

@@ -69,8 +69,8 @@ class _Served:
     :class:`~hift_runtime.client.ShardedClient` does."""
 
     def __init__(self, artifacts: str, device: str, max_batch: int, wait_ms: float, log: Path,
-                 instances: int = 1, engine: str = "ort", precision: str = "fp32",
-                 stand_in: list[str] | None = None, frontend: str = "pytriton", max_streams: int | None = None,
+                 engine: str = "ort", precision: str = "fp32",
+                 stand_in: list[str] | None = None, max_streams: int | None = None,
                  processes: int = 1) -> None:
         """``stand_in``: options of ``modelled_server.py`` (hift-serve over a stand-in device) instead of the real
         server over the export's engine. ``max_streams``: each process's ``--max-streams``."""
@@ -100,9 +100,9 @@ class _Served:
                 [sys.executable, *([str(Path(__file__).with_name("modelled_server.py")), *stand_in, "--"] if stand_in
                                    else ["-m", "hift_runtime.server"]), "--artifacts", artifacts, "--device", device,
                  "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
-                 "--max-batch", str(max_batch), "--max-wait-ms", str(wait_ms), "--instances", str(instances),
+                 "--max-batch", str(max_batch), "--max-wait-ms", str(wait_ms),
                  "--engine", engine, "--precision", precision, "--state-metrics-port", str(ports[3]),
-                 "--frontend", frontend, *(["--max-streams", str(max_streams)] if max_streams else [])],
+                 *(["--max-streams", str(max_streams)] if max_streams else [])],
                 stdout=server_log.open("w"), stderr=subprocess.STDOUT, env=env))
             self.metrics_urls.append(f"http://127.0.0.1:{ports[2]}/metrics")
             self.state_urls.append(f"http://127.0.0.1:{ports[3]}/metrics")
@@ -421,7 +421,6 @@ def p95_by_k(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 def main() -> None:
     from hift_runtime.argparsing import gpu_ids
-    from hift_runtime.sessions import CALL_LANES, CUDNN_ALGORITHMS
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--artifacts", required=False, help="the export to load (required unless --plot-only)")
@@ -460,27 +459,8 @@ def main() -> None:
                         "(thread,loop): each K runs under each, recorded as NAME@sched=loop")
     p.add_argument("--loop-scheduler", dest="scheduler", action="store_const", const="loop",
                    help="the same as --scheduler loop")
-    p.add_argument("--slots", type=int, default=None, help="device cache slots (CudaOptions.slots)")
-    p.add_argument("--conv-layout", choices=["channels-first", "channels-last"], default=None,
-                   help="the compiled engine's convolution layout (CudaOptions.conv_layout; default: the precision's)")
-    p.add_argument("--cache-layout", choices=["channels-first", "channels-last"], default=None,
-                   help="the compiled engine's cache rows (CudaOptions.cache_layout; default: channels-first)")
-    p.add_argument("--short-step-batches", default=None,
-                   help="the compiled engine's batch sizes for its shorter and final steps, comma-separated, or 'all' "
-                        "(CudaOptions.short_step_batch_sizes; default: the engine's)")
-    p.add_argument("--final-window", choices=["on", "off"], default=None,
-                   help="the compiled engine's final step as one call over its window (CudaOptions.final_window; "
-                        "default: the engine's, on with CUDA graphs)")
-    p.add_argument("--call-lanes", type=int, choices=CALL_LANES, default=1,
-                   help="the compiled engine's batched calls at once (CudaOptions.call_lanes; default 1)")
-    p.add_argument("--step-window", choices=["on", "off"], default=None,
-                   help="the compiled engine's stream step as one graph over its window (CudaOptions.step_window; "
-                        "default: the precision's, on in fp32)")
-    p.add_argument("--cudnn-algorithms", choices=CUDNN_ALGORITHMS, default=None,
-                   help="how cuDNN chooses the compiled engine's convolution algorithms (CudaOptions.cudnn_algorithms; "
-                        "default: the precision's)")
     p.add_argument("--cudnn-threads", type=int, default=None,
-                   help="threads the compiled engine's warmup chooses cuDNN's algorithms in (CudaOptions.cudnn_threads; "
+                   help="threads the compiled engine's warmup chooses cuDNN's algorithms in (CompiledOptions.cudnn_threads; "
                         "default: the engine's)")
     p.add_argument("--inline-lone-calls", choices=["on", "off"], default=None,
                    help="the scheduler's inline_lone_calls (in process: a quiet lone push's calls in the scheduling "
@@ -489,14 +469,11 @@ def main() -> None:
                    help="open streams at most (in-process configs and hift-serve --max-streams): a ramp past it shows "
                         "new streams refused with the overload message while the open ones keep real time")
     p.add_argument("--served-max-batch", type=int, default=256, help="hift-serve --max-batch (served config)")
-    p.add_argument("--served-instances", type=int, default=1, help="hift-serve --instances (served config)")
     p.add_argument("--served-wait-ms", type=float, default=2.0,
                    help="hift-serve --max-wait-ms (served config; also the modelled configs' step batcher wait)")
     p.add_argument("--served-processes", type=int, default=1,
                    help="hift-serve processes sharing the device (served config): each stream goes to the one its id "
                         "picks, as ShardedClient does; --max-streams is shared out among them (default 1)")
-    p.add_argument("--served-frontend", choices=["pytriton", "python-backend"], default="python-backend",
-                   help="hift-serve --frontend (served config)")
     p.add_argument("--served-device-model", choices=["instant", "modelled", "echo"],
                    help="the served config over a stand-in device (modelled_server.py), any host: its host cost; "
                         "echo: no runtime at all (Triton and the front end alone)")
@@ -525,7 +502,7 @@ def main() -> None:
 
     if hasattr(ort, "preload_dlls"):
         ort.preload_dlls()
-    from hift_runtime import CudaOptions, open_vocoder
+    from hift_runtime import CompiledOptions, open_vocoder
     from hift_runtime.process_tuning import CollectionPauses, keep_freed_memory, tune_garbage_collector
 
     collections = CollectionPauses()
@@ -547,10 +524,8 @@ def main() -> None:
     # Each K runs under every (switch interval, queue_behind, scheduler) variant, one after the other, on the same
     # open vocoder.
     variants = [(ms, qb, d) for ms in intervals_ms for qb in queue_behinds for d in drivers]
-    if (args.conv_layout or args.cache_layout or args.short_step_batches or args.cudnn_algorithms
-            or args.cudnn_threads) and (args.engine != "compiled" or "served" in args.configs):
-        p.error("--conv-layout, --cache-layout, --short-step-batches, --cudnn-algorithms and --cudnn-threads are for "
-                "the compiled engine in process (hift-serve runs the engine's defaults)")
+    if args.cudnn_threads and (args.engine != "compiled" or "served" in args.configs):
+        p.error("--cudnn-threads is for the compiled engine in process (hift-serve runs the engine's defaults)")
     for name in args.configs.split(","):
         t0 = time.perf_counter()
         if name == "served":
@@ -558,8 +533,7 @@ def main() -> None:
                 "--device-model", args.served_device_model, "--step-sizes", args.modelled_step_sizes,
                 *(["--step-ms", args.step_ms] if args.step_ms else [])]
             vocoder = _Served(args.artifacts, args.device, args.served_max_batch, args.served_wait_ms,
-                              Path(args.out).with_suffix(".served.log"), args.served_instances, args.engine,
-                              args.precision, stand_in, args.served_frontend,
+                              Path(args.out).with_suffix(".served.log"), args.engine, args.precision, stand_in,
                               args.max_streams and -(-args.max_streams // args.served_processes),
                               args.served_processes)
         elif name.startswith("modelled"):  # the scheduler over a modelled H200 (host_path.ModelledDevice), any host
@@ -568,27 +542,13 @@ def main() -> None:
             vocoder = stand_in_vocoder(args.artifacts, "instant" if name == "modelled_instant" else "modelled",
                                        args.step_ms, args.served_wait_ms / 1e3, args.modelled_step_sizes)
         else:
-            options = {"batched": (CudaOptions(), True), "batched_tf32": (CudaOptions(use_tf32=True), True),
-                       "per_stream": (CudaOptions(), False),
-                       "batched_f0_cpu": (CudaOptions(f0_on_cuda=False), True),
-                       "per_stream_f0_cpu": (CudaOptions(f0_on_cuda=False), False)}[name]
-            cuda = options[0] if args.slots is None else dataclasses.replace(options[0], slots=args.slots)
+            batching = {"batched": True, "batched_tf32": True, "per_stream": False}[name]
             engine = args.engine if name in ("batched", "per_stream") else "ort"
-            if engine == "compiled":
-                cuda = dataclasses.replace(cuda, conv_layout=args.conv_layout,
-                                           cache_layout=args.cache_layout or "channels-first",
-                                           cudnn_algorithms=args.cudnn_algorithms, cudnn_threads=args.cudnn_threads)
-                if args.short_step_batches:
-                    cuda = dataclasses.replace(cuda, short_step_batch_sizes=None if args.short_step_batches == "all"
-                                               else tuple(int(b) for b in args.short_step_batches.split(",")))
-                if args.final_window:
-                    cuda = dataclasses.replace(cuda, final_window=args.final_window == "on")
-                if args.step_window:
-                    cuda = dataclasses.replace(cuda, step_window=args.step_window == "on")
-                cuda = dataclasses.replace(cuda, call_lanes=args.call_lanes)
-            precision = args.precision if engine == "compiled" else ("tf32" if cuda.use_tf32 else args.precision)
-            vocoder = open_vocoder(args.artifacts, device=args.device, cuda=cuda, batching=options[1], engine=engine,
-                                   precision=precision, devices=args.gpus)
+            precision = "tf32" if name == "batched_tf32" else args.precision
+            options = CompiledOptions(cudnn_threads=args.cudnn_threads) if engine == "compiled" else None
+            vocoder = open_vocoder(args.artifacts, device=args.device, engine=engine, precision=precision,
+                                   options=options, batching=batching, devices=args.gpus,
+                                   max_streams=args.max_streams)
             vocoder.warmup(progress=lambda msg: print(name, msg, flush=True))
         ready_s = round(time.perf_counter() - t0, 1)  # opened and warmed up: the start-up (no parity check in it)
         if args.inline_lone_calls and getattr(vocoder, "scheduler", None) is not None:
@@ -624,15 +584,10 @@ def main() -> None:
                                       "warm_stream_s": warm_stream_s, "parity_max_abs_vs_cpu": parity,
                                       "switch_interval_ms": ms, "queue_behind": qb,
                                       "loop_scheduler": driver == "loop",  # asyncio clients, in process
-                                      "conv_layout": getattr(backend, "conv_layout", None),
-                                      "cache_layout": getattr(backend, "cache_layout", None),
-                                      "short_step_batch_sizes": getattr(backend, "short_step_batch_sizes", None),
-                                      "final_window_frames": getattr(backend, "final_window_frames", None),
-                                      "step_window_frames": getattr(backend, "step_window_frames", None),
-                                      "call_lanes": getattr(backend, "call_lanes", 1),
-                                      "cudnn_algorithms": getattr(backend, "cudnn_algorithms", None),
+                                      "traits": (dataclasses.asdict(backend.traits)
+                                                 if backend is not None and hasattr(backend, "traits") else None),
                                       "cudnn_threads": args.cudnn_threads,
-                                      "engine": (f"hift-serve --frontend {args.served_frontend} --engine {args.engine} --precision {args.precision}"
+                                      "engine": (f"hift-serve --engine {args.engine} --precision {args.precision}"
                                                  + (f" x {args.served_processes} processes" if args.served_processes > 1 else "")
                                                  if name == "served" else
                                                  getattr(backend, "name", name)),

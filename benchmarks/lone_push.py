@@ -65,23 +65,11 @@ def timed(fn: Callable[[], Any], runs: int, pace_s: float = 0.0) -> dict[str, fl
 
 
 def main() -> None:
-    from hift_runtime.sessions import CUDNN_ALGORITHMS
-
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--artifacts", required=True)
     p.add_argument("--precision", default="tf32", choices=["fp32", "tf32", "fp16"])
     p.add_argument("--pushes", type=int, default=200)
     p.add_argument("--paced", type=int, default=20, help="pushes at real-time pace (480 ms apart) per arm")
-    p.add_argument("--conv-layout", choices=["channels-first", "channels-last"], default=None,
-                   help="the compiled engine's convolution layout (default: the precision's)")
-    p.add_argument("--cache-layout", choices=["channels-first", "channels-last"], default="channels-first",
-                   help="how the generator's cache rows lie on the device (CudaOptions.cache_layout)")
-    p.add_argument("--slots", type=int, default=None,
-                   help="device cache slots (CudaOptions.slots)")
-    p.add_argument("--cudnn-algorithms", choices=CUDNN_ALGORITHMS, default=None,
-                   help="how cuDNN chooses (CudaOptions.cudnn_algorithms; default: the precision's)")
-    p.add_argument("--step-window", choices=["on", "off"], default=None,
-                   help="the stream step as one graph of 24 frames (CudaOptions.step_window; default: the precision's)")
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (eager fp32, no graphs: to try the script)")
     p.add_argument("--parity-seconds", type=float, default=10.0, help="the parity stream's length (0: none)")
     p.add_argument("--out")
@@ -89,15 +77,12 @@ def main() -> None:
 
     import torch
 
-    from hift_runtime import CudaOptions, open_vocoder
+    from hift_runtime import open_vocoder
 
     started = time.perf_counter()
     cuda = args.device != "cpu"
     vocoder = open_vocoder(args.artifacts, device=args.device, engine="compiled", precision=args.precision,
-                           max_batch=2, batching=True,
-                           cuda=CudaOptions(slots=args.slots or CudaOptions.slots, conv_layout=args.conv_layout,
-                                            cache_layout=args.cache_layout, cudnn_algorithms=args.cudnn_algorithms,
-                                            step_window=None if args.step_window is None else args.step_window == "on"))
+                           max_batch=2, batching=True)
     backend = vocoder.backend
     backend.warmup((24,), progress=lambda msg: print(msg, flush=True))
     warmup_s = time.perf_counter() - started
@@ -105,7 +90,7 @@ def main() -> None:
     pace = 24 * c.samples_per_frame / c.sample_rate  # a 24-frame chunk's audio: 0.48 s
 
     def replay(kind: str) -> Callable[[], None]:
-        graph = backend._graphs[(kind, 24, 2)]
+        graph = backend.captured(kind, 24, 2)
 
         def run() -> None:
             graph.graph.replay()
@@ -113,15 +98,15 @@ def main() -> None:
         return run
 
     def call(kind: str) -> Callable[[], Any]:
-        graph = backend._graphs[(kind, 24, 2)]
-        values = [t[:1].cpu().numpy() for t in backend._zeros(kind, 24, 2)]
+        graph = backend.captured(kind, 24, 2)
+        values = [t[:1].cpu().numpy() for t in backend.zero_inputs(kind, 24, 2)]
         return lambda: graph.run(values, 1)
 
     rows: dict[str, Any] = {}
     for kind in ("generator", "f0") if cuda else ():
         rows[f"replay_{kind}"] = timed(replay(kind), args.pushes)
         fn = call(kind)
-        with backend._precision():
+        with backend.precision_scope():
             rows[f"call_{kind}"] = timed(fn, args.pushes)
     rng = np.random.default_rng(0)
     mel = (rng.standard_normal((c.in_channels, 24 * (max(args.pushes, args.paced) + 8))) * 2.0 - 5.0

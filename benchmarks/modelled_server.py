@@ -92,7 +92,6 @@ def main() -> int:
     ours, rest = p.parse_known_args()
     rest = [a for a in rest if a != "--"]
     os.environ["HIFT_STAND_IN"] = f"{ours.device_model};{ours.step_ms or ''};{ours.step_sizes}"
-    server.open_table = open_stand_in_table  # the PyTriton front end opens in this process
     server.PYTHON_BACKEND_OPENER = "modelled_server:open_stand_in_table"  # the Python backend's stub imports it
     return server.main(rest)
 

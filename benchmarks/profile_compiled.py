@@ -3,7 +3,7 @@ per precision, step size and batch size, through ``torch.profiler``. Not a test:
 
     python benchmarks/profile_compiled.py --artifacts DIR --out R.json [--precisions tf32,fp16,fp32]
         [--batches 2,256] [--frames 24,8,4,1]
-        [--variants default,max-autotune,channels-first,channels-last,channels-last-caches,channels-last-nd-tiling]
+        [--variants default,max-autotune]
         [--budget-s 500]
 
 Each (precision, variant, step size) compiles the step once (batch dynamic, as the engine does), then calls it
@@ -14,14 +14,8 @@ copies, gathers and elementwise ops); every kernel is listed. Per stream-step an
 stream-frame = a step's kernel time / batch (/ frames): what bounds capacity once the host path is out of the way (at
 100 % device one GPU carries 20 ms / per-stream-frame ms real-time streams, before the F0 and final steps).
 
-Variants: ``default`` (the engine as it ships: the precision's convolution layout), ``max-autotune`` (inductor's
-``max_autotune``: Triton templates for the convolutions and matmuls benchmarked against cuDNN at compile time),
-``channels-first`` and ``channels-last`` (the engine's ``conv_layout``: the generator's convolutions as 1-D ones, or
-as 2-D ones over ``[B, C, 1, T]`` with weights stored channels-last and inductor's layout optimization forced, so
-cuDNN's tensor-core kernels get NHWC operands without a transpose before and after each), ``channels-last-caches``
-(channels-last convolutions and the engine's ``cache_layout="channels-last"``: the cache rows time-major, so the
-concatenations of cache and input read both along the channels), ``channels-last-nd-tiling`` (channels-last with
-inductor's N-D tiling preferred for pointwise kernels). Each variant's audio is
+Variants: ``default`` (the engine as it ships: the precision's convolution layout) and ``max-autotune`` (inductor's
+``max_autotune``: Triton templates for the convolutions and matmuls benchmarked against cuDNN at compile time). Each variant's audio is
 compared with the first variant's on the same inputs (``vs_default``). The JSON is rewritten after each (precision,
 variant), so a run cut short keeps what it measured.
 """
@@ -48,17 +42,7 @@ FAMILIES = (
 
 
 # A variant's (conv_layout, cache_layout, inductor options) for the engine (conv_layout None: the precision's).
-VARIANTS: dict[str, tuple[str | None, str, dict[str, Any]]] = {
-    "default": (None, "channels-first", {}),
-    "max-autotune": (None, "channels-first", {"max_autotune": True}),
-    "channels-first": ("channels-first", "channels-first", {}),
-    "channels-last": ("channels-last", "channels-first", {}),
-    "channels-last-caches": ("channels-last", "channels-last", {}),
-    # Inductor's N-D tiling of pointwise kernels: the fused Snake + concatenation kernels of the channels-last step
-    # read and write along different axes (channels innermost on one side), which one flat index reads uncoalesced.
-    "channels-last-nd-tiling": ("channels-last", "channels-first",
-                                {"triton.prefer_nd_tiling": True, "triton.max_tiles": 3}),
-}
+VARIANTS: dict[str, dict[str, Any]] = {"default": {}, "max-autotune": {"max_autotune": True}}
 
 
 def family(kernel: str) -> str:
@@ -122,13 +106,13 @@ def profile_shape(backend: Any, frames: int, batch: int, runs: int, cuda: bool, 
     first variant's, which an empty ``reference`` receives)."""
     import torch
 
-    gen = backend._zeros("generator", frames, batch)
+    gen = backend.zero_inputs("generator", frames, batch)
     torch.manual_seed(batch)
     gen[0].copy_(torch.randn(gen[0].shape) * 2.0 - 5.0)
     gen[1].fill_(200.0)
     # Every row reads zero caches (first) and writes the scratch row: each call is the same step.
-    audio = backend._compiled["generator"](*gen)[0].float().cpu()
-    row = profile_calls(backend._compiled["generator"], gen, runs, cuda)
+    audio = backend.compiled_step("generator")(*gen)[0].float().cpu()
+    row = profile_calls(backend.compiled_step("generator"), gen, runs, cuda)
     if reference:
         error = (audio - reference[0]).abs().max().item()
         noise = (audio - reference[0]).square().sum().clamp_min(1e-30)
@@ -138,9 +122,9 @@ def profile_shape(backend: Any, frames: int, batch: int, runs: int, cuda: bool, 
         reference.append(audio)
     row["kernel_ms_per_stream_step"] = round(row["kernel_ms"] / batch, 4)
     row["kernel_ms_per_stream_frame"] = round(row["kernel_ms"] / batch / frames, 5)
-    f0 = backend._zeros("f0", frames, batch)
+    f0 = backend.zero_inputs("f0", frames, batch)
     f0[0].copy_(torch.randn(f0[0].shape) * 2.0 - 5.0)
-    return {"generator": row, "f0": profile_calls(backend._compiled["f0"], f0, runs, cuda)}
+    return {"generator": row, "f0": profile_calls(backend.compiled_step("f0"), f0, runs, cuda)}
 
 
 def main() -> None:
@@ -186,14 +170,14 @@ def main() -> None:
                 continue
             if variant not in VARIANTS:
                 raise SystemExit(f"unknown variant {variant!r}: one of {', '.join(VARIANTS)}")
-            layout, caches, options = VARIANTS[variant]
+            options = VARIANTS[variant]
             backend = CompiledBackend(manifest, constants, device=args.device, precision=precision,
-                                      step_sizes=tuple(frame_sizes), batch_sizes=tuple(batches),
-                                      slots=max(batches) + 8, conv_layout=layout, cache_layout=caches)
+                                      slots=max(batches) + 8, batch_sizes=tuple(batches),
+                                      step_sizes=tuple(frame_sizes))
             backend.use_noise_table(noise)
-            run: dict[str, Any] = {"conv_layout": backend.conv_layout, "cache_layout": backend.cache_layout}
+            run: dict[str, Any] = {"conv_layout": backend.conv_layout}
             # The variant's inductor options are read when the step compiles: its first call, in this block.
-            with inductor_config.patch(options), backend._precision():
+            with inductor_config.patch(options), backend.precision_scope():
                 for frames in frame_sizes:
                     run[f"compile_s_{frames}"] = round(backend.compile_shape("generator", frames), 1)
                     for batch in batches:

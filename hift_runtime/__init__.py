@@ -7,9 +7,10 @@ from .engine import EngineTraits, VocoderBackend
 from .errors import MelError, OverloadError, StreamError
 from .manifest import ArtifactError, Manifest, read_manifest
 from .noise import NoiseTable
-from .sessions import CudaOptions, OrtBackend, open_vocoder
+from .opening import open_vocoder
+from .options import CompiledOptions, OrtOptions
 from .streaming import StreamingVocoder, VocoderStream
 
-__all__ = ["ArtifactError", "CacheSpec", "CudaOptions", "EngineTraits", "Manifest", "MelError", "NoiseTable",
-           "OrtBackend", "OverloadError", "StreamConstants", "StreamError", "StreamingVocoder", "VocoderBackend",
+__all__ = ["ArtifactError", "CacheSpec", "CompiledOptions", "EngineTraits", "Manifest", "MelError", "NoiseTable",
+           "OrtOptions", "OverloadError", "StreamConstants", "StreamError", "StreamingVocoder", "VocoderBackend",
            "VocoderStream", "open_vocoder", "read_manifest"]

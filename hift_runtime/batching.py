@@ -43,11 +43,10 @@ from typing import Any
 
 import numpy as np
 
-from .arrays import concat_rows
-from .engine import CancelToken, StepCall, VocoderBackend
+from .engine import CancelToken, StepCall, VocoderBackend, run_batched
 from .errors import PushCancelled, SchedulerClosed
 
-__all__ = ["BatchStats", "PushScheduler", "SchedulerClosed", "run_batched"]
+__all__ = ["BatchStats", "PushScheduler", "SchedulerClosed"]
 
 
 @dataclass
@@ -91,37 +90,6 @@ class _Flight:
 
     group: list[_Push]
     future: concurrent.futures.Future[tuple[list[Any], float]]
-
-
-def _stack(rows: list[Any]) -> Any:
-    """Host caches (dicts of arrays) stacked row by row; opaque per-stream handles (device slots) as a list."""
-    if not isinstance(rows[0], dict):
-        return list(rows)
-    return {k: concat_rows([r[k] for r in rows]) for k in rows[0]}
-
-
-def _row(caches: Any, i: int) -> Any:
-    if caches is None:
-        return None
-    if not isinstance(caches, dict):
-        return caches[i]
-    return {k: v[i:i + 1] for k, v in caches.items()}
-
-
-def run_batched(backend: VocoderBackend, calls: list[StepCall]) -> list[Any]:
-    """Calls of one key as one batched backend call; each call's result (its row). The rows are stacked as bytes
-    (:func:`~.arrays.concat_rows`): by ``np.concatenate`` a batch's 225 mel rows took 23-50 ms beside two busy
-    threads (0.2 ms alone), joined 0.3-1.1 ms (``benchmarks/gil_handoffs.py``), in the device thread between calls."""
-    kind = calls[0].kind
-    if kind == "f0":
-        mel = concat_rows([c.args[0] for c in calls])
-        f0, nxt = backend.f0_step(mel, _stack([c.args[1] for c in calls]))
-        return [(f0[i:i + 1], _row(nxt, i)) for i in range(len(calls))]
-    stacked = [concat_rows([c.args[j] for c in calls]) for j in range(5)]
-    frames = [concat_rows([c.args[6] for c in calls])] if len(calls[0].args) > 6 else []  # a step in a window
-    audio, phase, nxt = backend.generator_step(*stacked, _stack([c.args[5] for c in calls]), kind == "final",
-                                               *frames)
-    return [(audio[i:i + 1], phase[i:i + 1], _row(nxt, i)) for i in range(len(calls))]
 
 
 class PushScheduler:

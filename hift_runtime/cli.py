@@ -15,11 +15,13 @@ import numpy as np
 
 from .argparsing import OneLineArgumentParser
 from .audio_io import SUBTYPES, AudioFormatError, check_audio_path, read_mel, write_audio
-from .manifest import ArtifactError
-from .noise import NoiseTableError
-from .process_tuning import keep_freed_memory
 from .errors import MelError, StreamError
+from .manifest import ArtifactError
 from .mel_input import validate_mel
+from .noise import NoiseTableError
+from .opening import PARITY_CHECK, torch_side
+from .options import ENGINES, PRECISIONS
+from .process_tuning import keep_freed_memory
 from .streaming import StreamingVocoder
 from .wire import ServerError
 
@@ -111,10 +113,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--phase", choices=["upstream", "wrapped"],
                    help="carried phase: upstream rounding (default) or wrapped (more accurate on long streams)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], help="generator device (default auto)")
-    p.add_argument("--engine", choices=["auto", "ort", "compiled"], default="auto",
+    p.add_argument("--engine", choices=ENGINES, default="auto",
                    help="auto (default): the compiled engine on a CUDA device when torch with CUDA is installed, "
                         "else ONNX Runtime; ort; compiled (torch.compile, CUDA)")
-    p.add_argument("--precision", choices=["fp32", "tf32", "fp16"], default="fp32",
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="fp32 (default, TF32 off: parity), tf32, fp16 (compiled engine only); see BENCHMARKS.md")
     p.add_argument("--check", action="store_true",
                    help="also run eager PyTorch through the same bookkeeping and compare (needs torch + hift_export)")
@@ -146,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         schedule = parse_schedule(args.chunks)
         if args.server:
             return _via_server(args, schedule, out, say)
-        from .sessions import open_vocoder
+        from .opening import open_vocoder
 
         # One stream: no batching; warmup() captures the few step shapes it meets (a no-op on the CPU).
         vocoder = open_vocoder(args.artifacts, device=args.device or "auto", noise_table=args.noise_table,
@@ -221,11 +223,11 @@ def _via_server(args: argparse.Namespace, schedule: Sequence[int], out: Path, sa
 def _check(args: argparse.Namespace, vocoder: StreamingVocoder, mel: np.ndarray, sizes: Sequence[int], out: Path,
            sample_rate: int, say) -> int:
     try:
-        from hift_model.checkpoint import CheckpointError
-        from hift_torch.parity import plot_parity, reference_backend, run_parity
-    except ImportError as exc:
-        raise UsageError(f"--check needs torch and hift_export ({exc}); install the project with its [export] "
-                         f"extra") from exc
+        parity = torch_side(PARITY_CHECK, "--check")
+    except ArtifactError as exc:
+        raise UsageError(str(exc)) from exc
+    CheckpointError, plot_parity, reference_backend, run_parity = (  # noqa: N806 - the module's names
+        parity.CheckpointError, parity.plot_parity, parity.reference_backend, parity.run_parity)
     say("hift-vocode --check: loading the eager reference and replaying every step on it ...", flush=True)
     try:
         reference = reference_backend(vocoder.backend.manifest, args.checkpoint)  # type: ignore[attr-defined]

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .arrays import concat_rows
 from .errors import PushCancelled
 
 
@@ -178,3 +179,35 @@ def drive(steps: Generator[StepCall, Any, np.ndarray], backend: VocoderBackend,
             raise PushCancelled("the push was cancelled; the stream is unchanged")
         wrote |= call.writes_caches
         result = call.run(backend)
+
+
+def stack_caches(rows: list[Any]) -> Any:
+    """Host caches (dicts of arrays) stacked row by row; opaque per-stream handles (device slots) as a list."""
+    if not isinstance(rows[0], dict):
+        return list(rows)
+    return {k: concat_rows([r[k] for r in rows]) for k in rows[0]}
+
+
+def cache_row(caches: Any, i: int) -> Any:
+    """Row ``i`` of batched caches (a dict of arrays, or a list of per-stream handles)."""
+    if caches is None:
+        return None
+    if not isinstance(caches, dict):
+        return caches[i]
+    return {k: v[i:i + 1] for k, v in caches.items()}
+
+
+def run_batched(backend: VocoderBackend, calls: list[StepCall]) -> list[Any]:
+    """Calls of one key as one batched backend call; each call's result (its row). The rows are stacked as bytes
+    (:func:`~.arrays.concat_rows`): ``np.concatenate`` would hand the GIL away for each, in a busy process
+    (BENCHMARKS.md, decision log)."""
+    kind = calls[0].kind
+    if kind == "f0":
+        mel = concat_rows([c.args[0] for c in calls])
+        f0, nxt = backend.f0_step(mel, stack_caches([c.args[1] for c in calls]))
+        return [(f0[i:i + 1], cache_row(nxt, i)) for i in range(len(calls))]
+    stacked = [concat_rows([c.args[j] for c in calls]) for j in range(5)]
+    frames = [concat_rows([c.args[6] for c in calls])] if len(calls[0].args) > 6 else []  # a step in a window
+    audio, phase, nxt = backend.generator_step(*stacked, stack_caches([c.args[5] for c in calls]), kind == "final",
+                                               *frames)
+    return [(audio[i:i + 1], phase[i:i + 1], cache_row(nxt, i)) for i in range(len(calls))]

@@ -55,7 +55,7 @@ YOUNG_COLLECTION_THRESHOLD = 10_000
 # A process's threads hand work to each other (a server's request threads, the streams' event loop, the push
 # scheduler, the device thread; a warmup's choosing threads beside dynamo's tracing): a short GIL switch interval
 # keeps each hand-off from waiting up to Python's default 5 ms. Set by both of hift-serve's front ends and, for its
-# own length, by the compiled engine's warmup (CudaOptions.warmup_switch_interval_s).
+# own length, by the compiled engine's warmup.
 HANDOFF_SWITCH_INTERVAL_S = 0.0005
 
 

@@ -1,15 +1,15 @@
 """``hift-serve --processes N``: N server processes on one machine, each a whole ``hift-serve`` (its own Triton and
 runtime, sharing the GPU), supervised by this one: one command, one ready line, one SIGTERM.
 
-Why: one server process answers about 660 requests/s, whatever the cores (the H200 host and a 2-core machine alike:
-Triton's Python-backend stub does its per-request IPC under the process's GIL, beside the runtime's own Python;
-BENCHMARKS.md). Several processes multiply that. A stream's state lives in the process that started it, so clients
+Why: one server process's requests per second are bounded whatever the cores (Triton's Python-backend stub does its
+per-request IPC under the process's GIL, beside the runtime's own Python; BENCHMARKS.md). Several processes multiply
+that. A stream's state lives in the process that started it, so clients
 shard streams by id over the processes' gRPC addresses (``ShardedClient``, or a load balancer hashing the
 ``hift-stream-id`` header), as they do over several hosts.
 
 Process ``i`` listens on every port given plus ``i * PORT_STRIDE`` (defaults: 8000-8003, 8010-8013, ...), opens at
 most ``ceil(max_streams / N)`` streams, chooses cuDNN's algorithms at warmup in its share of the threads
-(``cudnn_threads_at_most // N``: their warmups run at once on the GPU), and writes Triton's log to
+(``MAX_CUDNN_THREADS // N``: their warmups run at once on the GPU), and writes Triton's log to
 ``--triton-log`` with ``.i`` appended. A process that dies once all were ready is started again (its streams are
 lost; the others' go on); every process, its Triton and its model process die with this supervisor.
 """
@@ -23,8 +23,10 @@ import threading
 import time
 from typing import Any
 
-from .sessions import cudnn_threads_at_most
-from .supervision import dies_with_parent
+from . import wire
+from .options import MAX_CUDNN_THREADS
+from .server_cli import busy_port
+from .supervision import dies_with_parent, stop_processes, stop_signals_recorded
 
 PORT_STRIDE = 10
 PORT_OPTIONS = ("--grpc-port", "--http-port", "--metrics-port", "--state-metrics-port")
@@ -44,8 +46,7 @@ def process_argv(args: argparse.Namespace, argv: list[str], i: int, processes: i
     if args.max_streams is not None:
         own += ["--max-streams", str(-(-args.max_streams // processes))]
     if args.cudnn_threads is None and processes > 1:  # the warmups run at once on the GPU: each its share of memory
-        own += ["--cudnn-threads", str(max(1, cudnn_threads_at_most(args.precision, args.cudnn_algorithms)
-                                           // processes))]
+        own += ["--cudnn-threads", str(max(1, MAX_CUDNN_THREADS // processes))]
     if args.triton_log:
         own += ["--triton-log", f"{args.triton_log}.{i}"]
     return [*argv, *own]
@@ -67,8 +68,6 @@ def serve_processes(args: argparse.Namespace, argv: list[str]) -> int:
     every one is ready, pass SIGTERM/Ctrl-C on. A process that dies after that is started again on its own ports
     (its streams are lost: their clients are refused; the other processes' streams go on); one that dies before it
     was ready stops every process, and its status is returned. Every process dies with this supervisor."""
-    from .server import busy_port, stop_processes, stop_signals_recorded
-
     n = args.processes
     ready = [threading.Event() for _ in range(n)]
     children: list[subprocess.Popen] = []
@@ -134,7 +133,7 @@ def _relay(lines: Any, i: int, ready: threading.Event) -> None:
 
 def processes_ready_line(args: argparse.Namespace, n: int) -> str:
     grpc = ", ".join(f"{args.host}:{port_of(args, '--grpc-port', i)}" for i in range(n))
-    return (f"hift-serve: model {args.model_name!r} ready in {n} processes: gRPC {grpc} (HTTP, metrics and server "
+    return (f"hift-serve: model {wire.MODEL_NAME!r} ready in {n} processes: gRPC {grpc} (HTTP, metrics and server "
             f"state at each port + {PORT_STRIDE} x the process number, as in the lines above); every stream must reach the "
             f"process that started it: ShardedClient([...these gRPC addresses...]) or a load balancer hashing the "
             f"'hift-stream-id' header")

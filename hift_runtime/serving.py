@@ -137,6 +137,28 @@ class ChunkReply:
 _EMPTY = np.zeros(0, np.float32)
 
 
+def chunk_request(data: dict[str, Any]) -> ChunkRequest:
+    """One wire request's tensors (each with its batch axis; ``offset`` may be absent or None) -> the table's
+    request. A request that is not exactly one row carries its refusal (``problem``), so it is refused alone."""
+    sid = decode_stream_id(wire.first_value(data[wire.STREAM_ID]))
+    start, end = (bool(wire.first_value(data[name])) for name in (wire.START, wire.END))
+    offset = data.get(wire.OFFSET)
+    rows = {np.shape(value)[0] if np.ndim(value) else 0 for value in data.values() if value is not None}
+    problem = "" if rows == {1} else (f"the request carries {max(rows)} rows; send one chunk of one stream per "
+                                      f"request (batch size 1)")
+    return ChunkRequest(sid, data[wire.MEL][0], start, end,
+                        None if offset is None else int(wire.first_value(offset)), problem)
+
+
+def reply_tensors(reply: ChunkReply, rate: np.ndarray) -> dict[str, np.ndarray]:
+    """One reply's output tensors, each with its batch axis (an empty release is one zero sample and ``samples`` 0:
+    some Triton clients cannot carry an empty tensor)."""
+    samples = reply.audio.shape[0]
+    audio = reply.audio if samples else np.zeros(1, np.float32)
+    return {wire.AUDIO: np.ascontiguousarray(audio[None], np.float32), wire.SAMPLES: np.array([[samples]], np.int64),
+            wire.SAMPLE_RATE: rate, wire.ERROR: np.array([[reply.error.encode()]], dtype=object)}
+
+
 class StreamTable:
     """Open streams by id over one vocoder; :meth:`handle` serves a batch of requests."""
 

@@ -7,18 +7,23 @@ folders of a server that was killed are cleaned at the next start.
 * :func:`process_alive`: whether a process that is not our child still runs (a zombie counts as dead).
 * :func:`temp_folder` / :func:`remove_stale_folders`: ``hift-serve-*`` folders name their supervisor's pid in
   :data:`OWNER_FILE`; one whose supervisor is gone is removed when the next server starts.
+* :func:`stop_signals_recorded` / :func:`stop_processes`: a supervisor's loop sees SIGTERM and Ctrl-C as a request,
+  and stops its children in order.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 PR_SET_PDEATHSIG = 1
 OWNER_FILE = "supervisor.pid"
@@ -84,3 +89,31 @@ def remove_stale_folders(parent: Path | None = None) -> list[Path]:
             shutil.rmtree(folder, ignore_errors=True)
             removed.append(folder)
     return removed
+
+
+@contextlib.contextmanager
+def stop_signals_recorded() -> Iterator[list[int]]:
+    """SIGTERM and Ctrl-C recorded in the list this yields (a supervisor's loop watches it) instead of raising; the
+    previous handlers back on exit."""
+    stopping: list[int] = []
+    handlers = {sig: signal.signal(sig, lambda signum, _frame: stopping.append(signum))
+                for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield stopping
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
+def stop_processes(processes: Sequence[Any], timeout_s: float) -> None:
+    """Ask every process still running to stop (SIGTERM), wait up to ``timeout_s`` for each, kill any that would
+    not."""
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+    for process in processes:
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

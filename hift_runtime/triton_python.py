@@ -1,15 +1,8 @@
-"""``hift-serve --frontend python-backend``: the runtime inside Triton's own Python backend, from a model repository
-this module writes, run by the ``tritonserver`` that PyTriton ships. Same wire contract, ports, metrics and refusals
-as the PyTriton front end; one process hop fewer.
-
-Why: PyTriton 0.7.0 carries each request from Triton's Python-backend stub to the ``hift-serve`` process through its
-own shared-memory store, and both ends free every tensor's block with one blocking IPC round trip on their request
-loop (four inputs and four outputs a request here). Profiled under load (``py-spy``, the stub's loop blocked in
-``free_responses_resources`` most of the time), the served path capped near 300 requests/s (148 audio s/s) on the
-H200 host and on a 2-core machine alike, whatever the engine. Here Triton hands the batch to the model in the stub
-process itself: the stream table, the scheduler and the engine live there.
-
-The stub process is started by ``tritonserver``; ``hift-serve`` supervises it (ready line, SIGTERM, exit status).
+"""The runtime inside Triton's own Python backend: the model repository ``hift-serve`` writes, the ``tritonserver``
+(the one PyTriton ships) it launches over it, and the model class Triton runs (:class:`TritonPythonModel`): Triton
+hands each batch to the stream table in the model process itself, no process hop between them (BENCHMARKS.md,
+decision log: the PyTriton proxy front end it replaced). ``hift-serve`` supervises the model process (ready line,
+SIGTERM, exit status).
 """
 
 from __future__ import annotations
@@ -21,14 +14,16 @@ import queue
 import shutil
 import subprocess
 import sys
+import sysconfig
 import threading
+from collections.abc import MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from . import wire
-from .server import _reply, chunk_request, shared_libpython_env
+from .serving import chunk_request, reply_tensors
 from .supervision import dies_with_parent
 
 log = logging.getLogger("hift_runtime.triton_python")
@@ -41,6 +36,18 @@ import sys
 sys.path[:0] = {paths!r}
 from hift_runtime.triton_python import TritonPythonModel  # noqa: E402,F401  (the class Triton looks up)
 """
+
+
+def shared_libpython_env(env: MutableMapping[str, str] = os.environ, extra: Sequence[str] = ()) -> None:
+    """Triton's Python-backend stub must load this interpreter's own shared libpython (else it loads another one and
+    fails in ``multiprocessing``): its folder (then ``extra`` folders) first on ``env``'s ``LD_LIBRARY_PATH``, which
+    the server process passes on to the stub."""
+    paths = [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
+    for folder in reversed([sysconfig.get_config_var("LIBDIR") or "", *extra]):
+        if folder and folder not in paths:
+            paths.insert(0, folder)
+    if paths:
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(paths)
 
 
 def _tensor(name: str, dtype: str, dims: list[int], ragged: bool = False, optional: bool = False) -> str:
@@ -98,7 +105,7 @@ def tritonserver_files(folder: Path) -> tuple[Path, Path, Path]:
     stub = root / "python_backend_stubs" / version / "triton_python_backend_stub"
     if not stub.is_file():
         raise FileNotFoundError(f"PyTriton has no Python-backend stub for Python {version} ({stub}); use "
-                                f"--frontend pytriton or a Python it ships a stub for")
+                                f"a Python it ships a stub for (a separate venv for the server)")
     backends = folder / "backends"
     shutil.copytree(root / "backends" / "python", backends / "python", dirs_exist_ok=True)
     shutil.copy2(stub, backends / "python" / "triton_python_backend_stub")
@@ -113,7 +120,7 @@ def launch(args: Any, argv: list[str], in_channels: int, folder: Path, log_file:
     own console lines) to ``log_file`` (:func:`relay_console`). It dies with this process (and its model process
     with it); the model process writes its id into :func:`model_pid_file`."""
     binary, backends, libs = tritonserver_files(folder)
-    repository = write_repository(folder / "models", args.model_name, in_channels=in_channels,
+    repository = write_repository(folder / "models", wire.MODEL_NAME, in_channels=in_channels,
                                   max_batch=args.max_batch, argv=argv, opener=opener,
                                   pid_file=str(model_pid_file(folder)))
     env = dict(os.environ)
@@ -185,7 +192,7 @@ class TritonPythonModel:
         import triton_python_backend_utils  # present inside Triton's Python backend only
 
         from .process_tuning import HANDOFF_SWITCH_INTERVAL_S, keep_freed_memory, tune_garbage_collector
-        from .server import _parser
+        from .server_cli import parser
         from .server_metrics import serve_state_metrics
 
         self._pb = triton_python_backend_utils
@@ -195,7 +202,7 @@ class TritonPythonModel:
         pid_file = parameters.get("hift_serve_pid_file", {}).get("string_value")
         if pid_file:  # first: hift-serve watches this process from its start (warmup included)
             Path(pid_file).write_text(str(os.getpid()))
-        options = _parser().parse_args(json.loads(parameters["hift_serve_argv"]["string_value"]))
+        options = parser().parse_args(json.loads(parameters["hift_serve_argv"]["string_value"]))
         module, function = parameters["hift_serve_opener"]["string_value"].split(":")
         self.vocoder, self.table = getattr(importlib.import_module(module), function)(options)
         tune_garbage_collector()  # warm: what lives now lives as long as the model
@@ -222,9 +229,9 @@ class TritonPythonModel:
         final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         while (item := self._replies.get()) is not None:
             sender, reply = item
-            try:  # the same tensors as the PyTriton front end's reply
+            try:
                 sender.send(pb.InferenceResponse(output_tensors=[
-                    pb.Tensor(name, value) for name, value in _reply(reply, self.rate).items()]), flags=final)
+                    pb.Tensor(name, value) for name, value in reply_tensors(reply, self.rate).items()]), flags=final)
             except Exception:  # noqa: BLE001 - that request's loss alone (its client times out)
                 log.exception("a reply could not be sent")
 

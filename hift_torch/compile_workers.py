@@ -1,30 +1,27 @@
 """The compiled engine's first start: its step graphs compiled in processes side by side, into inductor's on-disk
 cache, before :meth:`~hift_torch.compiled.CompiledBackend.warmup` loads them from it.
 
-Compiled in turn, the five step graphs (the stream step at 24, 8, 4 and 1 frames, the final step) took 265-345 s of a
-351-425 s cold start on an H200; side by side in five processes they took 128 s, and the warmup then loaded them from
-the cache in 36-38 s (BENCHMARKS.md, "fp16 channels-last"). A compile's cache entry is keyed by its graph and its
-inputs' shapes, so a worker builds the same backend as the engine (precision, layout, device cache slots) and
-compiles its shape as warmup would (:meth:`~hift_torch.compiled.CompiledBackend.compile_shape`). Meanwhile the
-starting process does what needs no compiled graph (its threads choose cuDNN's algorithms for the shapes it will
-capture: ``hift_torch.compiled._ChoosingThreads``), and loads each worker's graph from the cache as soon as that
-worker is done, while the others still compile.
+Compiled in turn, the step graphs take most of a cold start; side by side in processes they take about the longest
+one's time (BENCHMARKS.md, decision log). A compile's cache entry is keyed by its graph and its inputs' shapes, so a
+worker builds the same backend as the engine (precision, device cache slots, windows) and compiles its shape as
+warmup would (:meth:`~hift_torch.compiled.CompiledBackend.compile_shape`). Meanwhile the starting process does what
+needs no compiled graph (its threads choose cuDNN's algorithms for the shapes it will capture), and loads each
+worker's graph from the cache as soon as that worker is done, while the others still compile.
 
 Once a warmup has finished, a marker in inductor's cache folder (:func:`warm_marker`) says the cache holds this
 engine's graphs: later starts skip the workers (they would only load the cache a second time). Side by side is an
 optimisation only: a worker that fails is reported and its shape compiled by the warmup itself. Each worker holds a
 CUDA context, the model and the device cache pool (1.2 GB at 2 048 slots) while it compiles: on a small GPU, set
-``CudaOptions(compile_processes=1)`` (in turn, in the process).
+``CompiledOptions(compile_processes=1)`` (in turn, in the process).
 
-One worker (what the engine runs; not a user command)::
+One worker (what the engine runs, :mod:`.compile_worker`; not a user command)::
 
-    python -m hift_torch.compile_workers --artifacts DIR --precision fp16 --slots 2048 --device cuda:0 \\
-        --conv-layout channels-last --final-window on --shape generator:24
+    python -m hift_torch.compile_worker --artifacts DIR --precision fp16 --slots 2048 --device cuda:0 \\
+        --final-window on --step-window off --shape generator:24
 """
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import hashlib
 import json
@@ -39,7 +36,7 @@ from typing import Any
 # Source files whose code shapes the compiled graphs: a change in them makes the marker stale (inductor's own keys
 # change with the graphs; the marker must not claim a warm cache that no longer matches).
 _GRAPH_SOURCES = ("hift_model/step.py", "hift_model/layers.py", "hift_model/generator.py",
-                  "hift_model/spectral_ops.py", "hift_torch/compiled.py")
+                  "hift_model/spectral_ops.py", "hift_torch/compiled.py", "hift_torch/capture.py")
 
 
 def python_executable() -> str:
@@ -58,9 +55,8 @@ def compile_units(step_sizes: tuple[int, ...], final_frames: int) -> list[tuple[
 
 def worker_command(backend: Any, kind: str, size: int) -> list[str]:
     """The command that compiles ``backend``'s step ``kind`` of ``size`` frames into the cache, in a new process."""
-    return [python_executable(), "-m", "hift_torch.compile_workers", "--artifacts", str(backend.manifest.root),
+    return [python_executable(), "-m", "hift_torch.compile_worker", "--artifacts", str(backend.manifest.root),
             "--precision", backend.precision, "--slots", str(backend.cache_slots), "--device", str(backend.device),
-            "--conv-layout", backend.conv_layout, "--cache-layout", backend.cache_layout,
             "--final-window", "on" if backend.final_window_frames else "off",
             "--step-window", "on" if backend.step_window_frames else "off", "--shape", f"{kind}:{size}"]
 
@@ -126,7 +122,7 @@ def precompile(backend: Any, step_sizes: tuple[int, ...], say: Callable[[str], N
             return marker
         units = compile_units(backend.generator_graph_sizes(step_sizes), backend.final_frames)
         say(f"warmup: a first start: compiling {len(units)} step graphs in {backend.compile_processes} processes "
-            f"side by side into inductor's cache (~2 min on an H200)")
+            f"side by side into inductor's cache (minutes)")
         named = {f"{kind}:{size}": (kind, size) for kind, size in units}
         seconds = compile_side_by_side({name: worker_command(backend, *unit) for name, unit in named.items()},
                                        backend.compile_processes, say,
@@ -154,51 +150,9 @@ def warm_marker(backend: Any, step_sizes: tuple[int, ...]) -> Path:
     device = backend.device
     arch = torch.cuda.get_device_capability(device) if device.type == "cuda" else "cpu"
     what = {"torch": torch.__version__, "arch": str(arch), "precision": backend.precision,
-            "conv_layout": backend.conv_layout, "cache_layout": backend.cache_layout,
+            "conv_layout": backend.conv_layout,
             "step_sizes": list(step_sizes), "final_window": backend.final_window_frames,
             "step_window": backend.step_window_frames,
             "config": backend.manifest.config, "step": backend.manifest.step, "code": code.hexdigest()}
     key = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:24]
     return Path(cache_dir()) / "hift" / f"compiled-{key}.warm"
-
-
-def compile_one(artifacts: str, precision: str, slots: int, device: str, conv_layout: str, cache_layout: str,
-                kind: str, size: int, final_window: bool = True, step_window: bool = False) -> float:
-    """Build the engine's backend as the parent process has it and compile one step shape; seconds."""
-    from .compiled import CompiledBackend
-    from hift_runtime.manifest import read_manifest
-    from hift_runtime.noise import NoiseTable
-    from hift_runtime.contract import StreamConstants
-
-    manifest = read_manifest(artifacts)
-    constants = StreamConstants.from_manifest(manifest.config, manifest.step)
-    backend = CompiledBackend(manifest, constants, device=device, precision=precision, slots=slots,
-                              conv_layout=conv_layout, cache_layout=cache_layout, final_window=final_window,
-                              step_window=step_window)
-    # The noise table is read by the eager source only (outside the compiled part): a short one serves.
-    backend.use_noise_table(NoiseTable.seeded(0, 4 * 24 * constants.samples_per_frame, constants.num_sines))
-    return backend.compile_shape(kind, size)
-
-
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--artifacts", required=True)
-    p.add_argument("--precision", required=True)
-    p.add_argument("--slots", type=int, required=True)
-    p.add_argument("--device", required=True)
-    p.add_argument("--conv-layout", required=True)
-    p.add_argument("--cache-layout", default="channels-first")
-    p.add_argument("--final-window", choices=["on", "off"], default="on",
-                   help="the final step as the engine's window (CompiledBackend(final_window=...))")
-    p.add_argument("--step-window", choices=["on", "off"], default="off",
-                   help="the stream step as the engine's window (CompiledBackend(step_window=...))")
-    p.add_argument("--shape", required=True, help="KIND:FRAMES, e.g. generator:24 or final:28")
-    args = p.parse_args(argv)
-    kind, size = args.shape.split(":")
-    seconds = compile_one(args.artifacts, args.precision, args.slots, args.device, args.conv_layout,
-                          args.cache_layout, kind, int(size), args.final_window == "on", args.step_window == "on")
-    print(json.dumps({"shape": args.shape, "seconds": round(seconds, 1)}), flush=True)
-
-
-if __name__ == "__main__":
-    main()

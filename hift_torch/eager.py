@@ -1,4 +1,4 @@
-"""Eager PyTorch as a :class:`hift_runtime.streaming.VocoderBackend`: the reference the ORT runtime is checked
+"""Eager PyTorch as a :class:`hift_runtime.engine.VocoderBackend`: the reference the ORT runtime is checked
 against, driven by the very same streaming bookkeeping and the very same step (:mod:`hift_model.step`)."""
 
 from __future__ import annotations
@@ -6,17 +6,19 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hift_runtime.noise import NoiseTable
-from hift_runtime.contract import StreamConstants
-from hift_runtime.streaming import StreamingVocoder
-
 from hift_model.model import HiFT
 from hift_model.step import dtype_name, f0_step, generator_step, step_contract, zero_caches
+from hift_runtime.contract import StreamConstants
+from hift_runtime.engine import EngineTraits
+from hift_runtime.noise import NoiseTable
+from hift_runtime.streaming import StreamingVocoder
 
 
 class TorchBackend:
     """Folded eager modules. F0 on the CPU in the predictor's precision, the generator on its device; caches stay
     there as tensors."""
+
+    traits = EngineTraits()
 
     def __init__(self, hift: HiFT) -> None:
         if hift.generator.spectral.mode != "conv":
@@ -45,6 +47,12 @@ class TorchBackend:
             torch.from_numpy(noise).to(dev), torch.from_numpy(phase_in).to(dev), torch.from_numpy(first).to(dev),
             _tensors(caches, dev), final)
         return audio.cpu().numpy(), phase.cpu().numpy(), nxt
+
+    def warmup(self, step_sizes: tuple[int, ...] | None, progress: object = None) -> None:
+        """Nothing to prepare: eager."""
+
+    def stream_capacity(self) -> int:
+        return 1 << 20  # host memory only: no device slots
 
 
 def _tensors(caches: dict, device: torch.device) -> dict[str, torch.Tensor]:

@@ -17,16 +17,16 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from hift_model.checkpoint import CheckpointError
+from hift_model.config import HiFTConfig
+from hift_model.model import load_hift
+from hift_model.step import F0_PRECISIONS
+from hift_runtime.engine import EngineTraits, VocoderBackend
 from hift_runtime.manifest import Manifest, sha256_file
 from hift_runtime.metrics import max_abs, snr_db
-from hift_runtime.engine import VocoderBackend
 from hift_runtime.streaming import StreamingVocoder
 
 from .eager import TorchBackend, torch_vocoder
-from hift_model.config import HiFTConfig
-from hift_model.checkpoint import CheckpointError
-from hift_model.model import load_hift
-from hift_model.step import F0_PRECISIONS
 
 # Tolerances (issue 4): stage F0 within 1e-5 of max |F0|, stage audio 1e-5 max abs, end to end >= 60 dB.
 STAGE_F0_RELATIVE = 1e-5
@@ -45,12 +45,19 @@ class ReplayingBackend:
     def __init__(self, primary: VocoderBackend, reference: VocoderBackend) -> None:
         self.primary, self.reference = primary, reference
         self.name = f"{primary.name}+replay({reference.name})"
+        self.traits = EngineTraits(step_sizes=primary.traits.step_sizes, caches_in_place=primary.traits.caches_in_place)
         self.f0_relative: list[float] = []
         self.audio_max_abs: list[float] = []
         self.cache_error: list[float] = []
 
     def new_caches(self, kind: str, batch: int = 1) -> Any:
         return self.primary.new_caches(kind, batch)
+
+    def warmup(self, step_sizes: tuple[int, ...] | None, progress: Any = None) -> None:
+        self.primary.warmup(step_sizes, progress)
+
+    def stream_capacity(self) -> int:
+        return self.primary.stream_capacity()
 
     def _compare_caches(self, ours: Any, theirs: Any) -> None:
         if ours is not None:

@@ -271,6 +271,7 @@ class _FailingOnce:
 
     def __init__(self, inner) -> None:
         self.inner, self.name, self.fail_next, self.barrier = inner, "failing-once", False, None
+        self.traits = inner.traits
 
     def new_caches(self, kind, batch=1):
         return self.inner.new_caches(kind, batch)

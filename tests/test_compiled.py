@@ -5,6 +5,7 @@ and precision selection."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -27,6 +28,25 @@ def streamed(vocoder, mel, schedule):
     return np.concatenate(stream_all(vocoder, mel, schedule)[0])
 
 
+def compiled_vocoder(artifacts, *, batching=False, step_sizes=None, **backend_options):
+    """The compiled engine on the CPU with switches a CUDA device sets (its windows) and fixed step sizes, behind the
+    bookkeeping (and the scheduler, ``batching``) as ``open_vocoder`` puts it."""
+    from hift_runtime.batching import PushScheduler
+    from hift_runtime.contract import StreamConstants
+    from hift_runtime.manifest import read_manifest
+    from hift_runtime.streaming import StreamingVocoder
+    from hift_torch.compiled import CompiledBackend
+
+    manifest = read_manifest(artifacts)
+    constants = StreamConstants.from_manifest(manifest.config, manifest.step)
+    backend = CompiledBackend(manifest, constants, device="cpu", **backend_options)
+    vocoder = StreamingVocoder(backend, constants, step_sizes=step_sizes)
+    if batching:
+        vocoder.scheduler = PushScheduler(backend, max_batch=16, max_wait_s=0.005,
+                                          pushes_in_progress=lambda: vocoder.pushes_in_progress)
+    return vocoder
+
+
 @pytest.fixture(scope="module")
 def ort_cpu(small_artifacts):
     return open_vocoder(small_artifacts.out, device="cpu", engine="ort")
@@ -38,7 +58,7 @@ def compiled_cpu(small_artifacts):
 
 
 def test_compiled_engine_equals_ort_on_random_schedules(ort_cpu, compiled_cpu):
-    assert compiled_cpu.backend.name == "torch[cpu]" and compiled_cpu.backend.caches_in_place
+    assert compiled_cpu.backend.name == "torch[cpu]" and compiled_cpu.backend.traits.caches_in_place
     rng = np.random.default_rng(5)
     for i in range(3):
         mel = random_mel(int(rng.integers(5, 140)), seed=i)
@@ -94,92 +114,6 @@ def test_batched_streams_equal_the_ort_engine_alone(small_artifacts, ort_cpu):
     batched.close()
 
 
-def test_two_call_lanes_stream_as_one_through_two_device_threads(small_artifacts, ort_cpu):
-    """A backend of two call lanes gets a scheduler with two device threads (the call queued behind one on the device
-    starts beside it); concurrent streams stay equal to the ORT engine's, the calls land in order, every slot comes
-    back. (On the CPU the engine's calls are eager and take its lock in turn: the scheduler's side is what runs.)"""
-    from hift_runtime.batching import PushScheduler
-
-    batched = open_vocoder(small_artifacts.out, device="cpu", engine="compiled", batching=True, max_wait_ms=5)
-    batched.scheduler.close()
-    batched.backend.call_lanes = 2  # as over CUDA graphs with CudaOptions(call_lanes=2)
-    batched.scheduler = PushScheduler(batched.backend, max_batch=2, max_wait_s=0.005,
-                                      pushes_in_progress=lambda: batched.pushes_in_progress)
-    assert batched.scheduler._device._max_workers == 2
-    rng = np.random.default_rng(19)
-    mels = [random_mel(int(rng.integers(10, 120)), seed=60 + i) for i in range(8)]
-    schedules = [[int(x) for x in rng.integers(0, 30, 8)] + [500] for _ in range(8)]
-    got = run_in_threads(lambda i: streamed(batched, mels[i], schedules[i]), range(8))
-    for i in range(8):
-        assert max_abs(got[i], streamed(ort_cpu, mels[i], schedules[i])) <= TOLERANCE, i
-    assert batched.scheduler.stats.queued > 0  # calls were started behind others
-    assert batched.backend.slots_in_use == 0
-    batched.close()
-
-
-def test_two_call_lanes_replay_side_by_side_each_in_its_own_buffers(small_artifacts):
-    """CompiledBackend(call_lanes=2)'s captured calls, over stand-in graphs (CUDA graphs need a GPU): two calls at once
-    each take a lane of their own (the second starts while the first waits for its replay: the two waits meet at a
-    barrier, which a call holding the lock through its wait would break), each gets its own rows back, and both lanes
-    are free after."""
-    import threading
-    from types import SimpleNamespace
-
-    from hift_torch.compiled import CompiledBackend
-    from hift_runtime.manifest import read_manifest
-    from hift_runtime.noise import NoiseTable
-    from hift_runtime.contract import StreamConstants
-
-    manifest = read_manifest(small_artifacts.out)
-    c = StreamConstants.from_manifest(manifest.config, manifest.step)
-    with pytest.raises(ValueError, match="call_lanes must be one of"):
-        CompiledBackend(manifest, c, device="cpu", compile=False, call_lanes=3)
-    backend = CompiledBackend(manifest, c, device="cpu", compile=False, slots=4, call_lanes=2)
-    assert backend.call_lanes == 1  # no CUDA graphs: eager calls, one at a time
-    backend.use_noise_table(NoiseTable.seeded(0, 4 * 24 * c.samples_per_frame, c.num_sines))
-    both_waiting = threading.Barrier(2, timeout=20)
-
-    class Replayed:
-        def synchronize(self) -> None:  # each call waits for its replay while the other has launched its own
-            both_waiting.wait()
-
-    class StandInGraph:
-        batch = 2
-
-        def __init__(self, lane: int) -> None:
-            self.lane, self.mirrors = lane, SimpleNamespace(write=self.write)
-
-        def write(self, values, rows, batch):
-            self.held = values[0].copy()  # this lane's buffers
-
-        def launch(self):
-            return Replayed()
-
-        def collect(self, rows):
-            return [self.held[:rows], np.full((rows, 1), self.lane)]
-
-    size = 8
-    key = ("generator", size, 2)
-    backend.call_lanes = 2  # as over CUDA graphs
-    backend._lane_graphs = [backend._graphs, {}]
-    for lane in (0, 1):
-        backend._lane_graphs[lane][key] = StandInGraph(lane)
-    backend._free_lanes.put(1)  # (lane 0 is free from the start)
-    rows = 2
-    slots = [SimpleNamespace(index=1), SimpleNamespace(index=2)]
-
-    def call(seed: int):
-        mel = np.full((rows, c.in_channels, size + c.mel_look_ahead), float(seed), np.float32)
-        f0 = np.zeros((rows, size + c.source_look_ahead), np.float32)
-        return backend.generator_step(mel, f0, np.zeros(rows, np.int64), np.zeros((rows, c.num_sines)),
-                                      np.zeros((rows, 1), bool), slots, False)
-
-    results = run_in_threads(call, [10, 20])
-    assert [float(audio[0, 0, 0]) for audio, _, _ in results] == [10.0, 20.0]  # each call's own rows
-    assert sorted(int(phase[0, 0]) for _, phase, _ in results) == [0, 1]  # one lane each
-    assert sorted(backend._free_lanes.get_nowait() for _ in range(2)) == [0, 1] and backend._free_lanes.empty()
-
-
 @pytest.mark.parametrize("final, window, ends", [(True, 28, [1, 13, 28]), (False, 24, [1, 7, 20, 24])])
 def test_a_step_in_a_window_equals_the_step_of_each_rows_frames(reduced_config, final, window, ends):
     """``hift_model.step.generator_step(..., frames=...)``: rows ending at ``ends`` frames of one window (zeros past
@@ -232,17 +166,14 @@ def test_a_step_in_a_window_equals_the_step_of_each_rows_frames(reduced_config, 
 
 @pytest.mark.parametrize("step_window", [False, True])
 def test_streams_ending_in_the_final_window_equal_the_ort_engine(small_artifacts, ort_cpu, step_window):
-    """The compiled engine's final window (CudaOptions.final_window; on by default with CUDA graphs), and with it the
-    stream step's (CudaOptions.step_window, fp32's default on the GPU), batched: streams ending at many remainders (an
+    """The compiled engine's final window (on wherever CUDA graphs are captured), and with it the stream step's
+    (fp32's on the GPU), batched: streams ending at many remainders (an
     utterance of 1 frame whose first push is its last, a finish longer than the window) equal the ONNX Runtime
     engine's; a last push of up to 24 new frames is one generator call, and with the step window so is every push of
     up to 24."""
-    from hift_runtime.sessions import CudaOptions
-
     sizes = (24, 8, 4, 1)
-    windowed = open_vocoder(small_artifacts.out, device="cpu", engine="compiled", step_sizes=sizes,
-                            cuda=CudaOptions(final_window=True, step_window=step_window), batching=True,
-                            max_wait_ms=5)
+    windowed = compiled_vocoder(small_artifacts.out, batching=True, step_sizes=sizes, final_window=True,
+                                step_window=step_window)
     assert windowed.backend.final_window_frames == 28 and windowed.final_window == 28
     assert windowed.step_window == (24 if step_window else None)
     # (frames, pushes before the finish): the finish gets the rest
@@ -273,15 +204,11 @@ def test_streams_ending_in_the_final_window_equal_the_ort_engine(small_artifacts
     assert windowed.backend.slots_in_use == 0
     windowed.close()
     if step_window:
-        plan = {(kind, size) for kind, size, _ in windowed.backend._capture_plan(sizes) if kind != "f0"}
+        plan = {(kind, size) for kind, size, _ in windowed.backend.capture_plan(sizes) if kind != "f0"}
         assert plan == {("generator", 24), ("final", 28)}  # no graphs of 8, 4 and 1 frames
         return
     with pytest.raises(ValueError, match="final window"):
-        open_vocoder(small_artifacts.out, device="cpu", engine="compiled", step_sizes=(32, 8, 1),
-                     cuda=CudaOptions(final_window=True))
-    for option in ({"final_window": True}, {"step_window": True}):
-        with pytest.raises(ValueError, match="final_window and step_window are the compiled engine's"):
-            open_vocoder(small_artifacts.out, device="cpu", engine="ort", cuda=CudaOptions(**option))
+        compiled_vocoder(small_artifacts.out, step_sizes=(32, 8, 1), final_window=True)
 
 
 def test_a_bad_chunk_leaves_the_stream_and_its_slot_unchanged(ort_cpu, compiled_cpu):
@@ -339,21 +266,19 @@ def test_engine_selection(small_artifacts):
         open_vocoder(small_artifacts.out, device="cpu", engine="compiled", precision="fp16")
 
 
-@pytest.mark.parametrize("cache_layout", ["channels-first", "channels-last"])
-def test_channels_last_convolutions_stream_as_channels_first(small_artifacts, ort_cpu, cache_layout):
+def test_channels_last_convolutions_stream_as_channels_first(small_artifacts, ort_cpu, monkeypatch):
     """fp16's layout on the GPU (every generator Conv1d weight [O, I, 1, K] channels-last, run as 2-D convolutions),
-    run here in fp32, with the cache rows as they are or time-major: the same streams within the engines' tolerance
-    (another order of summation; measured 1.3e-7 apart on the reduced model); the F0 predictor keeps its 1-D
-    weights."""
+    run here in fp32: the same streams within the engines' tolerance (another order of summation; measured 1.3e-7
+    apart on the reduced model); the F0 predictor keeps its 1-D weights."""
     import torch
 
+    import hift_torch.compiled as compiled
     from hift_model.layers import Conv1d
-    from hift_runtime import CudaOptions
 
-    vocoder = open_vocoder(small_artifacts.out, device="cpu", engine="compiled",
-                           cuda=CudaOptions(conv_layout="channels-last", cache_layout=cache_layout))
+    monkeypatch.setitem(compiled.CONV_LAYOUT, "fp32", "channels-last")  # the CPU runs fp32 only
+    vocoder = open_vocoder(small_artifacts.out, device="cpu", engine="compiled")
     backend = vocoder.backend
-    assert backend.conv_layout == "channels-last" and backend.cache_layout == cache_layout
+    assert backend.conv_layout == "channels-last"
     convs = [m for m in backend.generator.modules() if isinstance(m, Conv1d)]
     assert convs and all(m.weight.dim() == 4 and m.weight.is_contiguous(memory_format=torch.channels_last)
                          for m in convs)
@@ -370,59 +295,35 @@ def test_conv_layout_is_checked(small_artifacts):
     from hift_model.config import HiFTConfig
     from hift_model.layers import store_channels_last
     from hift_model.model import build_unfolded
-    from hift_runtime import CudaOptions
-    from hift_torch.compiled import DEFAULT_CONV_LAYOUT
+    from hift_torch.compiled import CONV_LAYOUT
 
     assert open_vocoder(small_artifacts.out, device="cpu", engine="compiled").backend.conv_layout == \
-        DEFAULT_CONV_LAYOUT["fp32"] == "channels-first"
-    with pytest.raises(ValueError, match="conv_layout must be one of"):
-        open_vocoder(small_artifacts.out, device="cpu", engine="compiled", cuda=CudaOptions(conv_layout="nhwc"))
-    with pytest.raises(ValueError, match="cache_layout must be one of"):
-        open_vocoder(small_artifacts.out, device="cpu", engine="compiled", cuda=CudaOptions(cache_layout="nwc"))
-    with pytest.raises(ValueError, match="cache_layout are the compiled engine's"):
-        open_vocoder(small_artifacts.out, device="cpu", engine="ort", cuda=CudaOptions(conv_layout="channels-last"))
+        CONV_LAYOUT["fp32"] == "channels-first"
+    assert CONV_LAYOUT == {"fp32": "channels-first", "tf32": "channels-first", "fp16": "channels-last"}
     generator, _ = build_unfolded(HiFTConfig().reduced(), spectral="conv")  # weight norms not folded
     with pytest.raises(ValueError, match="fold the weight norms"):
         store_channels_last(generator)
 
 
-def test_the_shorter_steps_are_captured_at_fewer_batch_sizes(compiled_cpu, small_artifacts):
-    """The warmup's plan (what a CUDA warmup captures; on the CPU nothing is, so its ladders are set by hand): with a
-    short ladder, the largest stream step and the F0 step at every batch size, the shorter steps and the final step
-    at the short ladder and the largest size; a call pads to its own shape's ladder. By default every step at every
-    size."""
-    from hift_runtime import CudaOptions
+def test_every_step_is_captured_at_every_batch_size(compiled_cpu):
+    """The warmup's plan (what a CUDA warmup captures; on the CPU nothing is, so its ladder is set by hand): every
+    stream step, the final step and the F0 step at every batch size, each step's smallest batch first (its compile);
+    a call pads to the next captured batch."""
+    from hift_runtime.engine import padded_batch
     from hift_torch.compiled import BATCH_SIZES, CompiledBackend
-    from hift_runtime.sessions import SHORT_STEP_BATCH_SIZES
 
-    backend = CompiledBackend(compiled_cpu.backend.manifest, compiled_cpu.constants, device="cpu",
-                              short_step_batch_sizes=(2, 8, 32))
+    backend = CompiledBackend(compiled_cpu.backend.manifest, compiled_cpu.constants, device="cpu")
     backend.batch_sizes = BATCH_SIZES
-    backend.short_step_batch_sizes = (2, 8, 32, 256)  # as the constructor makes it on CUDA: the largest added
     backend.f0_step_sizes = (3, 2, 1)
-    plan = backend._capture_plan((24, 8, 4, 1))
+    plan = backend.capture_plan((24, 8, 4, 1))
     per_shape: dict[tuple[str, int], list[int]] = {}
     for kind, size, batch in plan:
         per_shape.setdefault((kind, size), []).append(batch)
-    assert per_shape[("generator", 24)] == list(BATCH_SIZES)
-    assert per_shape[("f0", 2)] == list(BATCH_SIZES)
-    for shape in (("generator", 8), ("generator", 4), ("generator", 1), ("final", 4)):
-        assert per_shape[shape] == [2, 8, 32, 256]
-    assert len(plan) == 11 + 3 * 11 + 4 * 4
+    assert set(per_shape) == {("generator", 24), ("generator", 8), ("generator", 4), ("generator", 1), ("final", 4),
+                              ("f0", 3), ("f0", 2), ("f0", 1)}
+    assert all(batches == list(BATCH_SIZES) for batches in per_shape.values())
     assert plan[0] == ("generator", 24, 2) and plan[-1][0] == "f0"  # the compiles first, each at its smallest batch
-    assert (backend._batch(9, "generator", 24), backend._batch(9, "generator", 8), backend._batch(9, "final", 4),
-            backend._batch(9, "f0", 2)) == (16, 32, 32, 16)
-    assert backend._batch(33, "generator", 4) == 256
-    default = CompiledBackend(compiled_cpu.backend.manifest, compiled_cpu.constants, device="cpu")
-    default.batch_sizes = default.short_step_batch_sizes = BATCH_SIZES  # the default: every size for every step
-    assert {batch for kind, size, batch in default._capture_plan((24, 8, 4, 1)) if kind == "final"} == \
-        set(BATCH_SIZES)
-    with pytest.raises(ValueError, match="must be among the batch sizes"):
-        CompiledBackend(compiled_cpu.backend.manifest, compiled_cpu.constants, device="cpu",
-                        short_step_batch_sizes=(2, 3))
-    with pytest.raises(ValueError, match="short_step_batch_sizes is the compiled engine's"):
-        open_vocoder(small_artifacts.out, device="cpu", engine="ort",
-                     cuda=CudaOptions(short_step_batch_sizes=SHORT_STEP_BATCH_SIZES))
+    assert (padded_batch(9, BATCH_SIZES), padded_batch(1, BATCH_SIZES), padded_batch(300, BATCH_SIZES)) == (16, 2, 300)
 
 
 def test_an_export_without_folded_weights_is_refused_by_the_compiled_engine(small_artifacts, tmp_path):
@@ -463,8 +364,9 @@ def test_a_push_whose_f0_step_wrote_its_device_row_cannot_be_undone(small_artifa
 
     compiled = open_vocoder(small_artifacts.out, device="cpu", engine="compiled", max_streams=4)
     backend = FaultyBackend(compiled.backend, caches_in_place=True)
-    backend.f0_caches_in_place = compiled.backend.f0_caches_in_place
-    backend.takes_noise_positions, backend.use_noise_table = True, compiled.backend.use_noise_table
+    assert compiled.backend.traits.f0_caches_in_place and compiled.backend.traits.noise_positions
+    backend.traits = dataclasses.replace(backend.traits, f0_caches_in_place=True, noise_positions=True)
+    backend.use_noise_table = compiled.backend.use_noise_table
     vocoder = StreamingVocoder(backend, compiled.constants)
     vocoder.scheduler = PushScheduler(backend, max_batch=4, max_wait_s=0.003)
     mel = random_mel(60, seed=43)
@@ -495,12 +397,12 @@ def test_a_push_whose_f0_step_wrote_its_device_row_cannot_be_undone(small_artifa
 
 
 def test_shared_host_buffers_give_each_graph_its_rows_then_zeros():
-    """The CUDA graphs of one step shape share pinned host buffers (``_Mirrors``, one call at a time): whatever calls
+    """The CUDA graphs of one step shape share pinned host buffers (``HostMirrors``, one call at a time): whatever calls
     came before, a graph of batch B reads the call's rows and then zeros (slot 0, the scratch row), never rows a
     larger call left (their slots would be read and written). The buffers' logic, on plain arrays."""
-    from hift_torch.compiled import _Mirrors
+    from hift_torch.capture import HostMirrors
 
-    mirrors = _Mirrors.__new__(_Mirrors)
+    mirrors = HostMirrors.__new__(HostMirrors)
     mirrors.host_in = [np.zeros((16, 3), np.float32), np.zeros((16, 1), np.int64), np.zeros((16, 1), bool)]
     mirrors.dirty = 0
     rng = np.random.default_rng(0)
@@ -545,7 +447,7 @@ def test_a_first_warmup_compiles_side_by_side_once(small_artifacts, tmp_path, mo
     manifest = read_manifest(small_artifacts.out)
     engine = SimpleNamespace(manifest=manifest, constants=StreamConstants.from_manifest(manifest.config, manifest.step),
                              precision="fp32", cache_slots=8, device=torch.device("cpu"), conv_layout="channels-last",
-                             cache_layout="channels-last", compile_processes=2, final_window_frames=28,
+                             compile_processes=2, final_window_frames=28,
                              final_frames=28, step_window_frames=None, generator_graph_sizes=tuple)
     said: list[str] = []
     # No stream step sizes: the final step's worker alone (its window).
@@ -564,10 +466,10 @@ def test_choosing_threads_deal_the_shapes_and_capture_where_they_chose():
 
     import torch
 
-    from hift_torch.compiled import _ChoosingThreads
+    from hift_torch.cudnn import ChoosingThreads
 
     shapes = [("generator", 24, 2), ("generator", 24, 256), ("generator", 8, 64), ("final", 28, 2), ("f0", 24, 2)]
-    threads = _ChoosingThreads(torch.device("cpu"), shapes, 2)
+    threads = ChoosingThreads(torch.device("cpu"), shapes, 2)
     chose: dict[tuple, str] = {}
     try:
         for future in threads.choose(lambda group: chose.update({s: threading.current_thread().name for s in group})):
@@ -580,60 +482,43 @@ def test_choosing_threads_deal_the_shapes_and_capture_where_they_chose():
             assert ran == chose.get(shape, threading.current_thread().name), shape
     finally:
         threads.close()
-    lone = _ChoosingThreads(torch.device("cpu"), shapes[:1], 8)  # never more threads than shapes
+    lone = ChoosingThreads(torch.device("cpu"), shapes[:1], 8)  # never more threads than shapes
     lone.close()
     assert len(lone.groups) == 1
 
 
-def test_the_choosing_threads_default_to_what_the_device_memory_holds(small_artifacts, compiled_cpu):
-    from hift_torch.compiled import CUDNN_THREAD_BYTES, CompiledBackend, cudnn_threads_for_memory
-    from hift_runtime.sessions import CudaOptions
+def test_the_choosing_threads_default_to_what_the_device_memory_holds():
+    from hift_runtime.options import CompiledOptions
+    from hift_torch.cudnn import CUDNN_THREAD_BYTES, cudnn_threads_for_memory
 
     assert cudnn_threads_for_memory(0) == 1 and cudnn_threads_for_memory(3 * CUDNN_THREAD_BYTES + 1) == 3
     assert cudnn_threads_for_memory(135 << 30) == 8  # an H200's free memory: the default's eight
-    with pytest.raises(ValueError, match="cudnn_threads must be at least 1"):
-        CompiledBackend(compiled_cpu.backend.manifest, compiled_cpu.constants, device="cpu", cudnn_threads=0)
-    # ONNX Runtime chooses its own algorithms: the option is the compiled engine's, ignored there (hift-serve gives
-    # it to every process, whichever engine "auto" picks)
-    assert open_vocoder(small_artifacts.out, device="cpu", engine="ort", cuda=CudaOptions(cudnn_threads=2)).backend
+    assert cudnn_threads_for_memory(135 << 30, at_most=1) == 1
+    with pytest.raises(ValueError, match="cudnn_threads must be >= 1"):
+        CompiledOptions(cudnn_threads=0)
 
 
-def test_cudnn_chooses_by_the_precisions_default_or_as_asked(compiled_cpu, monkeypatch):
-    """Each precision's default: its heuristic mode B (as fast under load, a shorter start); cuDNN's benchmark on
-    request (in one thread for fp32 and tf32, where eight chose slower or were measured only once); either way, the
-    variable torch reads set for mode B unless the environment says otherwise; the choice named in the warmup's
-    words, and it sets cuDNN's benchmark switch."""
+def test_cudnn_chooses_by_its_heuristic_mode_b_unless_the_environment_says_otherwise(compiled_cpu, monkeypatch):
+    """cuDNN's heuristic mode B in every precision (as fast under load as its benchmark, a shorter start): the
+    variable torch reads set for it unless the environment says otherwise; the choice named in the warmup's words;
+    cuDNN's benchmark switch off."""
     import torch
 
     import hift_torch.compiled as compiled
-    from hift_runtime.sessions import cudnn_threads_at_most
 
-    assert compiled.DEFAULT_CUDNN_ALGORITHMS == {"fp32": "heuristics", "tf32": "heuristics", "fp16": "heuristics"}
-    # the most choosing threads: eight, but one for the benchmark where eight were not measured to choose as well
-    cases = (("fp32", None), ("fp16", None), ("tf32", None), ("fp32", "benchmark"), ("tf32", "benchmark"),
-             ("fp16", "benchmark"))
-    assert [cudnn_threads_at_most(p, a) for p, a in cases] == [8, 8, 8, 1, 1, 8]
-    assert compiled.cudnn_threads_for_memory(135 << 30, at_most=1) == 1
     manifest, constants = compiled_cpu.backend.manifest, compiled_cpu.constants
-    with pytest.raises(ValueError, match="cudnn_algorithms must be one of"):
-        compiled.CompiledBackend(manifest, constants, device="cpu", cudnn_algorithms="fastest")
-    default = compiled.CompiledBackend(manifest, constants, device="cpu", compile=False)
-    assert default.precision == "fp32" and default.cudnn_algorithms == "heuristics"
-    default = compiled.CompiledBackend(manifest, constants, device="cpu", compile=False, cudnn_algorithms="benchmark")
-    assert default.cudnn_choice() == "its benchmark"
     monkeypatch.setenv(compiled.HEURISTIC_MODE_B_ENV, "")  # (recorded, so what the test sets is undone after it)
     monkeypatch.delenv(compiled.HEURISTIC_MODE_B_ENV)
-    asked = compiled.CompiledBackend(manifest, constants, device="cpu", compile=False, cudnn_algorithms="heuristics")
+    asked = compiled.CompiledBackend(manifest, constants, device="cpu", compile=False)
     assert not asked.heuristic_mode_b and compiled.HEURISTIC_MODE_B_ENV not in os.environ  # (no cuDNN on the CPU)
     assert compiled.use_heuristic_mode_b() and os.environ[compiled.HEURISTIC_MODE_B_ENV] == "1"
     assert asked.cudnn_choice() == "its heuristic mode B"
     monkeypatch.setenv(compiled.HEURISTIC_MODE_B_ENV, "0")  # the environment's word is kept, and said
     assert not compiled.use_heuristic_mode_b()
     assert asked.cudnn_choice() == f"its instant heuristics: {compiled.HEURISTIC_MODE_B_ENV}='0'"
-    for backend, benchmark in ((asked, False), (default, True)):
-        backend.on_cuda = True  # (the switch is set on CUDA only)
-        with backend._precision():
-            assert torch.backends.cudnn.benchmark is benchmark
+    asked.on_cuda = True
+    with asked.precision_scope():
+        assert torch.backends.cudnn.benchmark is False
 
 
 def test_the_compiled_graphs_take_the_cache_pool_at_any_slot_count(compiled_cpu):
@@ -651,12 +536,12 @@ def test_the_compiled_graphs_take_the_cache_pool_at_any_slot_count(compiled_cpu)
 
 
 def test_the_step_window_is_fp32s_default_where_cuda_graphs_are_captured(compiled_cpu):
-    """CudaOptions.step_window None: the precision's default (on in fp32, off in tf32 and fp16: measured there to
-    cost device time per row), and only where CUDA graphs are captured (the CPU runs a graph per step size); an
-    explicit value wins."""
+    """The stream step's window: the precision's (on in fp32, off in tf32 and fp16: measured there to cost device
+    time per row), and only where CUDA graphs are captured (the CPU runs a graph per step size); an explicit value
+    (tests, tools) wins."""
     import hift_torch.compiled as compiled
 
-    assert compiled.DEFAULT_STEP_WINDOW == {"fp32": True, "tf32": False, "fp16": False}
+    assert compiled.STEP_WINDOW == {"fp32": True, "tf32": False, "fp16": False}
     manifest, constants = compiled_cpu.backend.manifest, compiled_cpu.constants
     assert compiled.CompiledBackend(manifest, constants, device="cpu", compile=False).step_window_frames is None
     asked = compiled.CompiledBackend(manifest, constants, device="cpu", compile=False, step_window=True)
@@ -676,14 +561,16 @@ def test_warmup_loads_graphs_while_threads_choose_and_captures_in_the_choosers(s
     import torch
 
     import hift_torch.compiled as compiled
+    from hift_runtime.contract import StreamConstants
     from hift_runtime.manifest import read_manifest
     from hift_runtime.noise import NoiseTable
-    from hift_runtime.contract import StreamConstants
+    from hift_runtime.options import CompiledOptions
+    from hift_runtime.process_tuning import HANDOFF_SWITCH_INTERVAL_S
 
     manifest = read_manifest(small_artifacts.out)
     backend = compiled.CompiledBackend(manifest, StreamConstants.from_manifest(manifest.config, manifest.step),
-                                       device="cpu", compile=False, slots=4, cudnn_threads=2,
-                                       cudnn_algorithms="benchmark")  # (mode B is never asked on the CPU)
+                                       device="cpu", compile=False, slots=4,
+                                       options=CompiledOptions(cudnn_threads=2))
     backend.use_noise_table(NoiseTable.seeded(0, 4096, backend.constants.num_sines))
     backend.on_cuda = backend.cuda_graphs = True  # the warmup's CUDA path, its device calls stood in for below
     events: list[tuple[str, str, tuple]] = []
@@ -705,7 +592,7 @@ def test_warmup_loads_graphs_while_threads_choose_and_captures_in_the_choosers(s
     monkeypatch.setattr(backend, "compile_shape", lambda kind, size: events.append(
         ("first call", threading.current_thread().name, (kind, size))) or intervals.append(sys.getswitchinterval())
         or 0.0)
-    monkeypatch.setattr(compiled, "_Captured", captured)
+    monkeypatch.setattr(compiled, "CapturedCall", captured)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     said: list[str] = []
@@ -717,8 +604,7 @@ def test_warmup_loads_graphs_while_threads_choose_and_captures_in_the_choosers(s
         assert sys.getswitchinterval() == pytest.approx(0.005)
     finally:
         sys.setswitchinterval(own)
-    assert len(intervals) == 2 + 3 and all(i == pytest.approx(backend.warmup_switch_interval_s) for i in intervals)
-    assert backend.warmup_switch_interval_s == 0.0005
+    assert len(intervals) == 2 + 3 and all(i == pytest.approx(HANDOFF_SWITCH_INTERVAL_S) for i in intervals)
 
     main = threading.current_thread().name
     chose = {shape: name for kind, name, group in events if kind == "chose" for shape in group}
@@ -735,7 +621,7 @@ def test_warmup_loads_graphs_while_threads_choose_and_captures_in_the_choosers(s
                    "them" in m for m in said), said
     else:
         assert any("chosen for 3 step shapes in 2 threads" in m for m in said), said
-    assert said[0] == ("warmup: choosing cuDNN's algorithms (its benchmark) for 3 step shapes in 2 threads; "
+    assert said[0] == (f"warmup: choosing cuDNN's algorithms ({backend.cudnn_choice()}) for 3 step shapes in 2 threads; "
                        "the step graphs are loaded (or compiled) meanwhile")
     assert "first calls" in said[-1] and backend.first_call_seconds.keys() == {"generator:24", "generator:8",
                                                                                f"final:{backend.final_frames}"}
@@ -778,38 +664,17 @@ def test_the_warm_marker_names_what_the_graphs_depend_on(small_artifacts, tmp_pa
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     base = dict(manifest=read_manifest(small_artifacts.out), precision="fp16", cache_slots=2048,
-                device=torch.device("cpu"), conv_layout="channels-last", cache_layout="channels-first",
-                final_window_frames=28, step_window_frames=None)
+                device=torch.device("cpu"), conv_layout="channels-last", final_window_frames=28,
+                step_window_frames=None)
     marker = warm_marker(SimpleNamespace(**base), (24, 8, 4, 1))
     assert marker.parent == tmp_path / "hift" and marker == warm_marker(SimpleNamespace(**base), (24, 8, 4, 1))
     others = [warm_marker(SimpleNamespace(**{**base, key: value}), (24, 8, 4, 1))
               for key, value in (("precision", "tf32"), ("conv_layout", "channels-first"),
-                                 ("cache_layout", "channels-last"), ("final_window_frames", None),
-                                 ("step_window_frames", 24))]
+                                 ("final_window_frames", None), ("step_window_frames", 24))]
     others.append(warm_marker(SimpleNamespace(**base), (24, 8)))
-    assert len({marker, *others}) == 7
+    assert len({marker, *others}) == 6
     # not the slots: the graphs take the pool's rows as a dynamic size (one cache for every slot count)
     assert warm_marker(SimpleNamespace(**{**base, "cache_slots": 3100}), (24, 8, 4, 1)) == marker
-
-
-def test_time_major_cache_rows_hold_each_cache_transposed():
-    """cache_layout="channels-last": a [C, T] cache lies T-major in its row, and reads back as the [B, C, T] it was."""
-    import torch
-    from types import SimpleNamespace
-
-    from hift_torch.compiled import _CacheRows
-
-    specs = (SimpleNamespace(name="a", shape=[3, 2]), SimpleNamespace(name="b", shape=[1, 4]))
-    rows = _CacheRows(specs, 3, torch.float32, torch.device("cpu"), "channels-last")
-    caches = {"a": torch.arange(6.0).reshape(1, 3, 2), "b": torch.arange(10.0, 14.0).reshape(1, 1, 4)}
-    slots = torch.tensor([2])
-    rows.write(slots, caches)
-    assert rows.pool[2].tolist() == [0.0, 2.0, 4.0, 1.0, 3.0, 5.0, 10.0, 11.0, 12.0, 13.0]
-    read = rows.read(slots, torch.tensor([[False]]))
-    assert all(torch.equal(read[k], caches[k]) for k in caches)
-    assert read["a"].stride()[1] == 1  # the channels innermost, as channels-last activations
-    with pytest.raises(ValueError, match=r"need \[C, T\] caches"):
-        _CacheRows((SimpleNamespace(name="c", shape=[4]),), 2, torch.float32, torch.device("cpu"), "channels-last")
 
 
 def test_workers_start_with_a_python_even_inside_an_embedding_process(monkeypatch):
@@ -883,6 +748,7 @@ def test_only_quiet_lone_pushes_are_inlined(small_artifacts):
     inlined only if it arrived alone and nothing settled in the inline_quiet_s before it. Back to back, a stream's
     first push is quiet and its next ones are not; the default is the backend's (on for CUDA graphs)."""
     from hift_runtime.batching import PushScheduler
+    from hift_runtime.engine import EngineTraits
 
     vocoder = open_vocoder(small_artifacts.out, device="cpu", engine="compiled", batching=True)
     scheduler, backend = vocoder.scheduler, vocoder.backend
@@ -899,7 +765,7 @@ def test_only_quiet_lone_pushes_are_inlined(small_artifacts):
     assert threads[0] == "hift-scheduler" and all(t.startswith("hift-batch-call") for t in threads[1:]), threads
 
     class ShortCalls:
-        inline_lone_calls_by_default = True
+        traits = EngineTraits(inline_lone_calls=True, calls_from_any_thread=True)
 
     with_default = PushScheduler(ShortCalls())  # type: ignore[arg-type]
     try:

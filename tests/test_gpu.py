@@ -7,8 +7,10 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from hift_runtime import ArtifactError, CudaOptions, OverloadError, open_vocoder
-from hift_runtime.sessions import nvidia_driver_present
+from hift_runtime import ArtifactError, CompiledOptions, OverloadError, open_vocoder
+from hift_runtime.engine import pad_rows
+from hift_runtime.gpus import nvidia_driver_present
+from hift_runtime.slots import SlotPoolFull
 
 from .conftest import max_abs, run_in_threads, snr_db
 from .test_streaming import random_mel, stream_all
@@ -32,7 +34,7 @@ def test_unknown_device_is_refused(small_artifacts):
 @pytest.mark.skipif(not HAS_GPU, reason="no NVIDIA GPU / CUDA EP on this host")
 def test_cuda_stream_matches_cpu(small_artifacts):
     cpu = open_vocoder(small_artifacts.out, device="cpu")
-    gpu = open_vocoder(small_artifacts.out, device="cuda", cuda=CudaOptions(), batching=False, engine="ort")
+    gpu = open_vocoder(small_artifacts.out, device="cuda", batching=False, engine="ort")
     assert gpu.backend.generator_provider == "CUDAExecutionProvider"
     gpu.warmup()
     mel = random_mel(200, 5)
@@ -68,7 +70,9 @@ def test_cuda_concurrent_streams_in_device_slots_match_cpu(small_artifacts):
 def test_gpu_helpers_on_the_cpu():
     """The CUDA path's host-side helpers, which CI can run: batch padding, slot indices and the step split every push
     goes through."""
-    from hift_runtime.sessions import Slot, _pad_rows, _slot_indices
+    _pad_rows = pad_rows
+    from hift_runtime.ort_engine import slot_indices as _slot_indices
+    from hift_runtime.slots import Slot
     from hift_runtime.engine import split_steps
 
     padded = _pad_rows(np.ones((3, 2), np.float32), 8)
@@ -170,10 +174,10 @@ class _FakeGraphSession:
 def _on_fake_device(small_artifacts, monkeypatch, role):
     """The CUDA path's device buffers as NumPy arrays (``_FakeDeviceValue``), a CPU vocoder for reference values, and
     the graph of ``role`` as a CPU session behind the fake binding."""
-    import hift_runtime.sessions as sessions
+    import hift_runtime.ort_engine as ort_engine
     from hift_runtime.manifest import read_manifest
 
-    monkeypatch.setattr(sessions.ort, "OrtValue", _FakeDeviceValue)
+    monkeypatch.setattr(ort_engine.ort, "OrtValue", _FakeDeviceValue)
     cpu = open_vocoder(small_artifacts.out, device="cpu")
     session = ort.InferenceSession(str(read_manifest(small_artifacts.out).path(role)), providers=["CPUExecutionProvider"])
     return cpu, session
@@ -184,21 +188,21 @@ def test_slot_steps_on_the_cpu(small_artifacts, monkeypatch, rows, batch):
     """The CUDA path's slot form, run over CPU sessions through fake device buffers: the captured-graph runner and
     the ordinary call read each stream's caches from its pool row (zeros where ``first``), write the next caches back
     into that row, leave every other stream's row alone, and return what the plain step returns, bit for bit."""
-    import hift_runtime.sessions as sessions
+    import hift_runtime.ort_engine as ort_engine
     from hift_runtime.manifest import GENERATOR_STEP_SLOTS
 
     cpu, slot_session = _on_fake_device(small_artifacts, monkeypatch, GENERATOR_STEP_SLOTS)
     c, plain = cpu.constants, cpu.backend._gen[False]
     sizes = [int(np.prod(spec.shape)) for spec in c.generator_caches]
     rng = np.random.default_rng(rows)
-    pool = sessions.SlotPool(6, sum(sizes), 0)
+    pool = ort_engine.SlotPool(6, sum(sizes), 0)
     held = [pool.acquire() for _ in range(rows)]
     assert pool.in_use == rows and 0 not in [s.index for s in held]
     feed = {"mel": rng.standard_normal((rows, 80, 11)).astype(np.float32) - 5,
             "f0": (rng.random((rows, 8)) * 300).astype(np.float32),
             "noise": rng.random((rows, 8 * 480, 9), dtype=np.float32), "phase_in": rng.random((rows, 9)),
             "first": np.array([[i % 2 == 1] for i in range(rows)])}
-    slots = sessions._slot_indices(held if rows > 1 else held[0], batch)
+    slots = ort_engine.slot_indices(held if rows > 1 else held[0], batch)
     for runner in ("graph", "ordinary"):
         pool.value.array[...] = (rng.standard_normal(pool.value.array.shape) * 0.1).astype(np.float32)
         before = pool.value.array.copy()
@@ -209,11 +213,11 @@ def test_slot_steps_on_the_cpu(small_artifacts, monkeypatch, rows, batch):
             caches[spec.name] = rows_
             offset += size
         if runner == "graph":
-            step = sessions._SlotStep(_FakeGraphSession(slot_session), 1, 7, batch, c, pool, 0)
+            step = ort_engine.SlotStep(_FakeGraphSession(slot_session), 1, 7, batch, c, pool, 0)
             audio, phase = step.run(dict(feed), slots)
         else:
-            padded = {k: sessions._pad_rows(v, batch) for k, v in feed.items()}
-            audio, phase = sessions._run_slots(_FakeGraphSession(slot_session), padded, slots, pool, 0, None)
+            padded = {k: pad_rows(v, batch) for k, v in feed.items()}
+            audio, phase = ort_engine.run_slots(_FakeGraphSession(slot_session), padded, slots, pool, 0, None)
             audio, phase = audio[:rows], phase[:rows]
         (want_audio, want_phase), want_next = plain.run(dict(feed), caches)
         assert audio.shape == want_audio.shape == (rows, 7 * 480)
@@ -228,22 +232,22 @@ def test_slot_steps_on_the_cpu(small_artifacts, monkeypatch, rows, batch):
     del held  # a stream that lets go of its slot gives it back
     assert pool.in_use == 0 and index in pool.free._free
     many = [pool.acquire() for _ in range(pool.rows - 1)]
-    with pytest.raises(sessions.SlotPoolFull, match="device cache slots are in use"):
+    with pytest.raises(SlotPoolFull, match="device cache slots are in use"):
         pool.acquire()
-    assert isinstance(sessions.SlotPoolFull("x"), OverloadError) and len(many) == 5
+    assert isinstance(SlotPoolFull("x"), OverloadError) and len(many) == 5
 
 
 def test_final_slot_step_graph_runner_on_the_cpu(small_artifacts, monkeypatch):
     """The captured final step (what streams ending together share): read from the streams' pool rows, the plain
     final step's audio bit for bit (the held-back audio included), and the pool left as it was."""
-    import hift_runtime.sessions as sessions
+    import hift_runtime.ort_engine as ort_engine
     from hift_runtime.manifest import GENERATOR_STEP_FINAL_SLOTS
 
     cpu, final_session = _on_fake_device(small_artifacts, monkeypatch, GENERATOR_STEP_FINAL_SLOTS)
     c, plain = cpu.constants, cpu.backend._gen[True]
     sizes = [int(np.prod(spec.shape)) for spec in c.generator_caches]
     rng = np.random.default_rng(9)
-    pool = sessions.SlotPool(5, sum(sizes), 0)
+    pool = ort_engine.SlotPool(5, sum(sizes), 0)
     held = [pool.acquire() for _ in range(3)]
     pool.value.array[...] = (rng.standard_normal(pool.value.array.shape) * 0.1).astype(np.float32)
     before = pool.value.array.copy()
@@ -252,12 +256,12 @@ def test_final_slot_step_graph_runner_on_the_cpu(small_artifacts, monkeypatch):
             "f0": (rng.random((rows, size)) * 300).astype(np.float32),
             "noise": rng.random((rows, size * 480, 9), dtype=np.float32), "phase_in": rng.random((rows, 9)),
             "first": np.zeros((rows, 1), bool)}
-    slots = sessions._slot_indices(held, batch)
+    slots = ort_engine.slot_indices(held, batch)
     caches, offset = {}, 0
     for spec, n in zip(c.generator_caches, sizes):
         caches[spec.name] = before[slots[:rows], offset:offset + n].reshape(rows, *spec.shape).copy()
         offset += n
-    step = sessions._SlotStep(_FakeGraphSession(final_session), 1, size, batch, c, pool, 0, final=True)
+    step = ort_engine.SlotStep(_FakeGraphSession(final_session), 1, size, batch, c, pool, 0, final=True)
     audio, phase = step.run(dict(feed), slots)
     (want_audio, want_phase), _ = plain.run(dict(feed), caches)
     assert audio.shape == want_audio.shape == (rows, (size + c.audio_lag) * 480)
@@ -269,7 +273,7 @@ def test_final_slot_step_graph_runner_on_the_cpu(small_artifacts, monkeypatch):
 def test_f0_graph_runner_on_the_cpu(small_artifacts, monkeypatch):
     """The captured F0 step (its float64 caches travel with each call, the batch padded): the ordinary F0 step's
     values bit for bit, for the real rows."""
-    import hift_runtime.sessions as sessions
+    import hift_runtime.ort_engine as ort_engine
     from hift_runtime.manifest import F0_STEP
 
     cpu, f0_session = _on_fake_device(small_artifacts, monkeypatch, F0_STEP)
@@ -278,7 +282,7 @@ def test_f0_graph_runner_on_the_cpu(small_artifacts, monkeypatch):
     rows, size = 3, 8
     mel = rng.standard_normal((rows, 80, size + c.f0_look_ahead)).astype(np.float32) - 5
     caches = {spec.name: rng.standard_normal((rows, *spec.shape)).astype(spec.dtype) for spec in c.f0_caches}
-    graph = sessions._f0_graph(_FakeGraphSession(f0_session), 1, size, 4, c, 0)
+    graph = ort_engine.f0_graph(_FakeGraphSession(f0_session), 1, size, 4, c, 0)
     graph.capture({name: np.zeros_like(value.array) for name, value in graph.inputs.items()})  # what warmup() does
     assert graph.captured
     out = graph.replay({"mel": mel, **{"cache." + k: v for k, v in caches.items()}}, rows)
@@ -290,20 +294,19 @@ def test_f0_graph_runner_on_the_cpu(small_artifacts, monkeypatch):
 
 def test_the_backend_replays_a_captured_f0_graph(small_artifacts, monkeypatch):
     """A batched F0 call whose (size, padded batch) was captured replays that graph (not the slower ordinary call)."""
-    import dataclasses
 
-    import hift_runtime.sessions as sessions
+    import hift_runtime.ort_engine as ort_engine
     from hift_runtime.manifest import F0_STEP
 
     cpu, f0_session = _on_fake_device(small_artifacts, monkeypatch, F0_STEP)
     backend, c = cpu.backend, cpu.constants
-    graph = sessions._f0_graph(_FakeGraphSession(f0_session), 1, 8, 4, c, 0)
+    graph = ort_engine.f0_graph(_FakeGraphSession(f0_session), 1, 8, 4, c, 0)
     graph.capture({name: np.zeros_like(value.array) for name, value in graph.inputs.items()})
     replays = []
     replay = graph.replay
     monkeypatch.setattr(graph, "replay", lambda *a: replays.append(a) or replay(*a))
     backend._f0_graphs[(8, 4)] = graph
-    backend._cuda = dataclasses.replace(backend._cuda, batch_sizes=(1, 2, 4))
+    backend._batch_sizes = (1, 2, 4)
     rng = np.random.default_rng(6)
     mel = rng.standard_normal((3, 80, 8 + c.f0_look_ahead)).astype(np.float32) - 5
     caches = {spec.name: rng.standard_normal((3, *spec.shape)).astype(spec.dtype) for spec in c.f0_caches}
@@ -338,7 +341,7 @@ def test_compiled_streams_match_the_cpu_ep(small_artifacts, compiled_gpu):
     from hift_torch.compiled import compile_count
 
     assert compiled_gpu.backend.name == "compiled[cuda:fp32]"
-    assert compiled_gpu.backend.cudnn_algorithms == "heuristics" and compiled_gpu.backend.step_window_frames == 24
+    assert compiled_gpu.backend.cudnn_choice() == "its heuristic mode B" and compiled_gpu.backend.step_window_frames == 24
     assert compiled_gpu.scheduler.inline_lone_calls
     cpu = open_vocoder(small_artifacts.out, device="cpu")
     rng = np.random.default_rng(64)
@@ -388,7 +391,7 @@ def test_a_start_at_another_slot_count_loads_its_graphs_from_the_cache(small_art
 
     misses = counters["inductor"]["fxgraph_cache_miss"]
     other = open_vocoder(small_artifacts.out, device="cuda", engine="compiled", max_wait_ms=5,
-                         cuda=CudaOptions(slots=64, compile_processes=1))
+                         max_streams=60, options=CompiledOptions(compile_processes=1))
     try:
         assert other.backend.cache_slots == 64 != compiled_gpu.backend.cache_slots
         said: list[str] = []
@@ -417,77 +420,6 @@ def _each_concurrent_stream_equals(vocoder, reference, count: int, seed: int, me
         assert max_abs(got[i], want) <= 2e-6, i
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not _torch_cuda(), reason="no CUDA device for torch here")
-def test_two_call_lanes_stream_as_one_lane_does(small_artifacts, compiled_gpu):
-    """CudaOptions(call_lanes=2): every shape captured twice, two batched calls at once (one's host part beside the
-    other's replay). 32 concurrent streams each equal the one-lane engine's stream of the same schedule, nothing is
-    compiled after warmup, both lanes are free and every slot is returned."""
-    from hift_torch.compiled import compile_count
-
-    two = open_vocoder(small_artifacts.out, device="cuda", engine="compiled", max_wait_ms=5,
-                       cuda=CudaOptions(call_lanes=2))
-    try:
-        two.warmup()
-        assert two.backend.call_lanes == 2 and two.scheduler._device._max_workers == 2
-        assert two.backend._lane_graphs[1].keys() == two.backend._graphs.keys()
-        _each_concurrent_stream_equals(two, compiled_gpu, 32, seed=66, mel_seed=200, lengths=(10, 160), pushes=(0, 40))
-        assert two.scheduler.stats.max_batch > 1
-        assert compile_count() == two.backend.compiles_at_warmup
-        assert two.backend._free_lanes.qsize() == 2
-        import gc
-
-        gc.collect()
-        assert two.backend.slots_in_use == 0
-    finally:
-        two.close()
-
-
-def _fp32_opt_ins_against_the_cpu(artifacts: str) -> list[tuple[float, float]]:
-    """In a process of its own (:func:`test_compiled_fp32_on_cudnn_s_benchmark_and_each_step_size_matches_the_cpu_ep`):
-    the compiled fp32 engine on fp32's opt-ins (cuDNN's benchmark, a graph per step size) and the CPU EP over the same
-    8 streams; each stream's (max abs, SNR dB)."""
-    import os
-
-    from hift_torch.compiled import HEURISTIC_MODE_B_ENV
-
-    # (set by this module's default engine in the parent and inherited: dropped, so this process starts as a server's
-    # fp32 process on the benchmark would; torch reads it once, at the first heuristic convolution)
-    os.environ.pop(HEURISTIC_MODE_B_ENV, None)
-    vocoder = open_vocoder(artifacts, device="cuda", engine="compiled", max_wait_ms=5,
-                           cuda=CudaOptions(cudnn_algorithms="benchmark", step_window=False))
-    try:
-        vocoder.warmup()
-        assert vocoder.backend.cudnn_choice() == "its benchmark" and vocoder.backend.step_window_frames is None
-        cpu = open_vocoder(artifacts, device="cpu")
-        rng = np.random.default_rng(65)
-        distances = []
-        for i in range(8):
-            mel, schedule = random_mel(int(rng.integers(10, 160)), seed=100 + i), [24] * 6 + [500]
-            got = np.concatenate(stream_all(vocoder, mel, schedule)[0])
-            want = np.concatenate(stream_all(cpu, mel, schedule)[0])
-            distances.append((max_abs(got, want), snr_db(got, want)))
-        return distances
-    finally:
-        vocoder.close()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _torch_cuda(), reason="no CUDA device for torch here")
-def test_compiled_fp32_on_cudnn_s_benchmark_and_each_step_size_matches_the_cpu_ep(small_artifacts):
-    """fp32 on its opt-ins, cuDNN's benchmark and a graph per step size (CudaOptions(cudnn_algorithms="benchmark",
-    step_window=False), fp32's defaults until 2026-12-03): its streams within fp32's bar of the CPU EP's, as the
-    defaults' are. In a process of its own, as a server's engine runs: torch reads cuDNN's heuristic mode once per
-    process. (On the H200, 2026-12-03, the defaults' mode B passed this test in a spawned process after a race in
-    its warmup was mended; BENCHMARKS.md, "A race under mode B".)"""
-    import multiprocessing
-
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        distances = pool.apply(_fp32_opt_ins_against_the_cpu, (str(small_artifacts.out),))
-    for i, (abs_error, snr) in enumerate(distances):
-        assert abs_error <= 2e-6 and snr >= 105, (i, abs_error, snr)
-
-
 # Each precision's bound vs the CPU (issue 20; BENCHMARKS.md, H200 on 2026-12-01/02: tf32 60.8-62.7 dB, fp16
 # 57.7-58.7 dB on 3-20 s streams of the full-size model, fp16 channels-last 59.0 dB on a 10 s stream): a few dB of
 # margin under those figures. This test runs the reduced model, not yet on a GPU (written after the device time ran
@@ -503,11 +435,11 @@ def test_compiled_faster_precisions_stay_within_their_bounds(small_artifacts, pr
     the accepted log-mel range (-30 .. 15), nothing compiled after warmup, every slot returned."""
     from hift_torch.compiled import compile_count
 
-    from hift_torch.compiled import DEFAULT_CONV_LAYOUT
+    from hift_torch.compiled import CONV_LAYOUT
 
     vocoder = open_vocoder(small_artifacts.out, device="cuda", engine="compiled", precision=precision, max_wait_ms=5)
     vocoder.warmup()
-    assert vocoder.backend.conv_layout == DEFAULT_CONV_LAYOUT[precision]  # fp16: channels-last
+    assert vocoder.backend.conv_layout == CONV_LAYOUT[precision]  # fp16: channels-last
     try:
         cpu = open_vocoder(small_artifacts.out, device="cpu")
         mels = [random_mel(150, seed=40 + i) for i in range(4)]
@@ -530,8 +462,7 @@ def test_compiled_faster_precisions_stay_within_their_bounds(small_artifacts, pr
 @pytest.mark.gpu
 @pytest.mark.skipif(not _torch_cuda(), reason="no CUDA device for torch here")
 def test_eager_step_graphs_index_in_bounds_on_padded_batches(small_artifacts, monkeypatch):
-    """The step captured eagerly (``compile=False``: no inductor, seconds to warm) in CUDA graphs, in both windows and
-    on two lanes. ATen's gathers assert on an index out of bounds where inductor's graphs would read undefined memory
+    """The step captured eagerly (``compile=False``: no inductor, seconds to warm) in CUDA graphs, in both windows. ATen's gathers assert on an index out of bounds where inductor's graphs would read undefined memory
     without a word, so this is the check that a padding row (zeros: frames 0, slot 0) stays in bounds. On the H200 it
     hit that assert before the step clamped a padding row's frames. 24 concurrent streams, batches of every size,
     each equal to the CPU EP's stream."""
@@ -539,13 +470,14 @@ def test_eager_step_graphs_index_in_bounds_on_padded_batches(small_artifacts, mo
 
     from hift_torch import compiled
 
-    monkeypatch.setattr(compiled, "CompiledBackend", functools.partial(compiled.CompiledBackend, compile=False))
+    monkeypatch.setattr(compiled, "CompiledBackend", functools.partial(compiled.CompiledBackend, compile=False,
+                                                                       step_window=True))
     vocoder = open_vocoder(small_artifacts.out, device="cuda", engine="compiled", max_batch=16, max_wait_ms=5,
-                           cuda=CudaOptions(step_window=True, call_lanes=2, slots=128, cudnn_threads=2))
+                           max_streams=124, options=CompiledOptions(cudnn_threads=2))
     try:
         vocoder.warmup()
         assert not vocoder.backend.compiled and vocoder.backend.step_window_frames == 24
-        assert vocoder.backend.call_lanes == 2 and vocoder.backend._graphs  # captured
+        assert vocoder.backend._graphs  # captured
         cpu = open_vocoder(small_artifacts.out, device="cpu")
         _each_concurrent_stream_equals(vocoder, cpu, 24, seed=67, mel_seed=300, lengths=(10, 200), pushes=(1, 30))
         assert vocoder.scheduler.stats.max_batch > 1

@@ -16,7 +16,7 @@ import pytest
 from hift_runtime import StreamError, open_vocoder
 from hift_runtime.batching import PushScheduler, SchedulerClosed
 from hift_runtime.serving import MAX_STREAM_ID_BYTES, ChunkRequest, StreamTable
-from hift_runtime.engine import CancelToken
+from hift_runtime.engine import CancelToken, EngineTraits
 from hift_runtime.errors import PushCancelled
 from hift_runtime.streaming import StreamingVocoder
 
@@ -36,7 +36,8 @@ class FaultyBackend:
     slots are), so the bookkeeping's rules for them run on the CPU."""
 
     def __init__(self, inner, caches_in_place: bool = False) -> None:
-        self.inner, self.name, self.caches_in_place = inner, "faulty", caches_in_place
+        self.inner, self.name = inner, "faulty"
+        self.traits = EngineTraits(caches_in_place=caches_in_place)
         self.fail: set[str] = set()
         self.fail_frames: int | None = None  # fail only calls of this mel width
         self.hold: set[str] = set()
@@ -54,6 +55,12 @@ class FaultyBackend:
 
     def new_caches(self, kind, batch=1):
         return self.inner.new_caches(kind, batch)
+
+    def warmup(self, step_sizes, progress=None):
+        self.inner.warmup(step_sizes, progress)
+
+    def stream_capacity(self):
+        return self.inner.stream_capacity()
 
     def _enter(self, kind: str, mel: np.ndarray) -> None:
         self.calls.append(kind)
@@ -235,7 +242,8 @@ def test_a_failed_start_leaves_no_stream_open(cpu):
 
 
 def test_the_server_defaults_max_streams_to_what_the_device_holds(small_artifacts):
-    from hift_runtime.server import _parser, open_table
+    from hift_runtime.server import open_table
+    from hift_runtime.server_cli import parser as _parser
 
     args = _parser().parse_args(["--artifacts", str(small_artifacts.out), "--device", "cpu"])
     vocoder, table = open_table(args)
@@ -249,7 +257,7 @@ def test_the_server_defaults_max_streams_to_what_the_device_holds(small_artifact
 
 def test_the_cpu_holds_as_many_streams_as_its_cores_keep_in_real_time(small_artifacts, monkeypatch):
     """Not the memory's thousands: the largest doubling batch whose 24-frame steps take at most half their audio."""
-    from hift_runtime.sessions import REAL_TIME_HEADROOM, REAL_TIME_STEP_FRAMES
+    from hift_runtime.ort_engine import REAL_TIME_HEADROOM, REAL_TIME_STEP_FRAMES
 
     vocoder = open_vocoder(small_artifacts.out, device="cpu")
     backend, c = vocoder.backend, vocoder.constants
@@ -462,6 +470,7 @@ class InstantBackend:
     """Zeros of the right shapes at once: the scheduler's own cost alone."""
 
     name = "instant"
+    traits = EngineTraits()
 
     def __init__(self, constants) -> None:
         self.c = constants

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from hift_runtime import open_vocoder, wire
-from hift_runtime.server import chunk_request
+from hift_runtime.serving import chunk_request
 from hift_runtime.serving import MAX_REQUESTS_IN_FLIGHT, MAX_STREAM_ID_BYTES, ChunkRequest, StreamTable
 
 from .conftest import max_abs

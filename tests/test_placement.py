@@ -106,7 +106,7 @@ def test_devices_are_checked(small_artifacts):
 def test_hift_serve_gpus_option():
     from hift_runtime.server import serving_gpus
 
-    from hift_runtime.server import _parser
+    from hift_runtime.server_cli import parser as _parser
 
     assert _parser().parse_args(["--artifacts", "x", "--gpus", "0,1"]).gpus == [0, 1]
     assert serving_gpus([1], "cuda") == [1]

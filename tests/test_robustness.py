@@ -323,7 +323,7 @@ def test_sessions_are_bounded_whatever_the_workload(small_artifacts, monkeypatch
     (the landed per-shape pool built one per recurring window length: 151 over 200 utterances)."""
     import onnxruntime as ort
 
-    import hift_runtime.sessions as sessions
+    import hift_runtime.ort_engine as ort_engine
 
     built = []
     real = ort.InferenceSession
@@ -332,7 +332,7 @@ def test_sessions_are_bounded_whatever_the_workload(small_artifacts, monkeypatch
         built.append(args[0])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(sessions.ort, "InferenceSession", counting)
+    monkeypatch.setattr(ort_engine.ort, "InferenceSession", counting)
     v = open_vocoder(small_artifacts.out, device="cpu")
     assert len(built) == 3
     rng = np.random.default_rng(5)

@@ -233,16 +233,13 @@ def _free_ports(n: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def server(small_artifacts, tmp_path_factory):
-    # The PyTriton front end. A long batcher wait so the 8 test clients are seen in shared batches on a busy 2-core
-    # machine; two model instances, so Triton runs batches side by side (their streams meet in one step batcher).
-    yield from _live_server(small_artifacts, tmp_path_factory,
-                            ["--frontend", "pytriton", "--max-wait-ms", "20", "--instances", "2"])
+    # A long step-batcher wait so the 8 test clients are seen in shared batches on a busy 2-core machine.
+    yield from _live_server(small_artifacts, tmp_path_factory, ["--max-wait-ms", "20"])
 
 
 @pytest.fixture(scope="module")
 def second_server(small_artifacts, tmp_path_factory):
-    # The default front end (the runtime inside Triton's own Python backend, no PyTriton hop) in two processes under
-    # one supervisor (--processes 2): process 1 on every port + 10.
+    # Two processes under one supervisor (--processes 2): process 1 on every port + 10.
     yield from _live_server(small_artifacts, tmp_path_factory, ["--processes", "2"], processes=2)
 
 
@@ -259,17 +256,11 @@ def _live_server(small_artifacts, tmp_path_factory, options: list[str], processe
            *options, "--triton-log", str(log.with_suffix(".triton.log"))]
     env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}  # hift-serve must set it itself
     ready_line = "ready" if processes == 1 else f"ready in {processes} processes"
-    for attempt in (1, 2):
-        with open(log, "w") as out:
-            process = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, text=True)
-        deadline = time.monotonic() + 120
-        while ready_line not in log.read_text() and process.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        # PyTriton 0.7.0's model instances fetch their config from a handshake socket in hift-serve's process; once
-        # in ~7 CI runs (two instances, a loaded 2-core machine) an instance found it refusing and the load failed.
-        # PyTriton's race, not ours: the PyTriton front end is started once more then.
-        if process.poll() is None or attempt == 2 or "get_config_from_handshake_server" not in log.read_text():
-            break
+    with open(log, "w") as out:
+        process = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, text=True)
+    deadline = time.monotonic() + 120
+    while ready_line not in log.read_text() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
     try:
         assert process.poll() is None, log.read_text()[-3000:]
         assert ready_line in log.read_text(), "hift-serve did not become ready in 120 s: " + log.read_text()[-3000:]
@@ -293,7 +284,7 @@ def _live_server(small_artifacts, tmp_path_factory, options: list[str], processe
 
 def _all_free(ports: list[int]) -> bool:
     """Whether hift-serve's own busy-port check would pass these ports."""
-    from hift_runtime.server import busy_port
+    from hift_runtime.server_cli import busy_port
 
     return busy_port("127.0.0.1", {str(port): port for port in ports}) is None
 
@@ -482,9 +473,9 @@ def test_server_stops_cleanly_on_sigterm(server):
         assert s.connect_ex(("127.0.0.1", port)) != 0  # nothing listens any more
 
 
-def test_the_python_backend_front_end_streams_exactly_refuses_alone_and_stops_cleanly(second_server, vocoder):
-    """``--frontend python-backend``: the same wire contract, refusals and server metrics with the runtime inside
-    Triton's Python-backend stub; SIGTERM unloads the model and stops tritonserver, its console lines in its log."""
+def test_two_processes_stream_exactly_refuse_alone_and_stop_cleanly(second_server, vocoder):
+    """``--processes 2``: the same wire contract, refusals and server metrics in each process; SIGTERM to the
+    supervisor unloads both models and stops both tritonservers, their console lines in their logs."""
     from hift_runtime.client import ServerClient
     from hift_runtime.wire import ServerError
 
@@ -520,14 +511,13 @@ def test_the_python_backend_front_end_streams_exactly_refuses_alone_and_stops_cl
 
 def test_an_empty_release_is_reported_as_zero_samples(vocoder):
     from hift_runtime import wire
-    from hift_runtime.server import make_infer_func
+    from hift_runtime.serving import chunk_request, reply_tensors
 
     table = StreamTable(vocoder, workers=2)
-    infer = make_infer_func(table, 24000)
     one = {wire.STREAM_ID: np.array([[b"e"]], dtype=object), wire.MEL: np.full((1, 80, 1), -4.0, np.float32),
            wire.START: np.array([[True]]), wire.END: np.array([[False]])}
-    reply = infer([one])[0]  # one frame releases nothing yet (100 ms are held back)
-    assert int(reply[wire.SAMPLES][0, 0]) == 0 and reply[wire.AUDIO].shape == (1, 1)
+    reply = reply_tensors(table.handle([chunk_request(one)])[0], np.array([[24000]], np.int32))
+    assert int(reply[wire.SAMPLES][0, 0]) == 0 and reply[wire.AUDIO].shape == (1, 1)  # 100 ms are held back
     assert reply[wire.ERROR][0, 0] == b""
     table.handle([ChunkRequest("e", np.full((80, 1), -4.0, np.float32), end=True)])
     table.close()
@@ -578,20 +568,21 @@ def test_a_model_that_fails_to_load_is_said_in_one_line():
     assert load_failure(line, "other_model") is None
 
 
-def test_instances_with_the_default_python_backend_front_end_are_refused_in_one_line(tmp_path, capsys):
-    pytest.importorskip("pytriton", reason="hift-serve needs the [serve] extra (nvidia-pytriton)")
-    from hift_runtime import server
+def test_retired_options_are_refused_in_one_line(capsys):
+    """hift-serve lists deployer options only (at most 20); the retired experiments' flags are unknown options."""
+    from hift_runtime.server_cli import parser
 
-    ports = [str(p) for p in _free_ports(4)]
-    code = server.main(["--artifacts", str(tmp_path), "--instances", "2",
-                        "--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2],
-                        "--state-metrics-port", ports[3]])
-    assert code == 2 and "--instances is the pytriton front end's" in capsys.readouterr().err
+    listed = [a for a in parser()._actions if a.help != "==SUPPRESS=="]
+    assert len(listed) <= 20, [a.option_strings for a in listed]
+    for retired in ("--instances", "--frontend", "--call-lanes", "--step-window", "--cudnn-algorithms"):
+        with pytest.raises(SystemExit):
+            parser().parse_args(["--artifacts", "a", retired, "2"])
+        assert retired in capsys.readouterr().err
 
 
 def test_each_of_several_processes_gets_its_own_ports_stream_share_and_log():
     """``--processes 3``: process 2 listens 20 above every port, opens at most ceil(100 / 3) streams, logs apart."""
-    from hift_runtime.server import _parser
+    from hift_runtime.server_cli import parser as _parser
     from hift_runtime.server_processes import process_argv
 
     argv = ["--artifacts", "a", "--processes", "3", "--max-streams", "100", "--triton-log", "t.log"]
@@ -599,13 +590,7 @@ def test_each_of_several_processes_gets_its_own_ports_stream_share_and_log():
     assert (child.processes, child.http_port, child.grpc_port, child.metrics_port, child.state_metrics_port) == \
         (1, 8020, 8021, 8022, 8023)
     assert child.max_streams == 34 and child.triton_log == "t.log.2" and child.artifacts == "a"
-    assert child.cudnn_threads == 2  # fp32 (the default) on mode B: their warmups at once, each 8 // 3 threads
-    # where eight are the default; one where cuDNN's benchmark chooses in one (fp32's and tf32's on request)
-    for options, threads in ((["--precision", "fp16"], 2), (["--cudnn-algorithms", "benchmark"], 1),
-                             (["--precision", "tf32"], 2),
-                             (["--precision", "tf32", "--cudnn-algorithms", "benchmark"], 1)):
-        one = argv + options
-        assert _parser().parse_args(process_argv(_parser().parse_args(one), one, 2, 3)).cudnn_threads == threads
+    assert child.cudnn_threads == 2  # their warmups at once on one GPU: each 8 // 3 of the choosing threads
     given = argv + ["--cudnn-threads", "5"]
     assert _parser().parse_args(process_argv(_parser().parse_args(given), given, 2, 3)).cudnn_threads == 5
     alone = ["--artifacts", "a"]
@@ -614,25 +599,6 @@ def test_each_of_several_processes_gets_its_own_ports_stream_share_and_log():
 
     ports = ports_of(_parser().parse_args(argv), 3)  # what the busy-port check probes, named as its message says
     assert len(ports) == 12 and ports["--grpc-port + 20 (process 2)"] == 8021 and ports["--http-port"] == 8000
-
-
-def test_step_window_option_reaches_the_engine_s_options():
-    """``--step-window on|off`` sets CudaOptions.step_window; left out, the precision's default decides (None)."""
-    from hift_runtime.server import _parser, cuda_options
-
-    for given, want in (([], None), (["--step-window", "on"], True), (["--step-window", "off"], False)):
-        assert cuda_options(_parser().parse_args(["--artifacts", "a", *given])).step_window is want
-
-
-def test_call_lanes_option_reaches_the_engine_s_options(capsys):
-    """``--call-lanes 1|2`` sets CudaOptions.call_lanes (default 1); another count is refused by the parser."""
-    from hift_runtime.server import _parser, cuda_options
-
-    for given, want in (([], 1), (["--call-lanes", "2"], 2)):
-        assert cuda_options(_parser().parse_args(["--artifacts", "a", *given])).call_lanes == want
-    with pytest.raises(SystemExit):
-        _parser().parse_args(["--artifacts", "a", "--call-lanes", "3"])
-    assert "--call-lanes" in capsys.readouterr().err
 
 
 def test_several_processes_stop_together_when_one_cannot_start(tmp_path):

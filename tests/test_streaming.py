@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -183,26 +184,30 @@ def test_random_schedules_equal_offline(small_vocoder, sizes, seed):
 def test_fixed_step_sizes_equal_any_size(small_artifacts):
     """The GPU's policy (a push as steps of a few fixed sizes) gives the same audio as one step per push."""
     mel = random_mel(130, 11)
+    from hift_runtime import StreamingVocoder
+
     anysize = open_vocoder(small_artifacts.out, device="cpu")
-    fixed = open_vocoder(small_artifacts.out, device="cpu", step_sizes=(16, 4, 1))
+    fixed = StreamingVocoder(anysize.backend, anysize.constants, step_sizes=(16, 4, 1))
     a, _ = stream_all(anysize, mel, [37] * 4)
     b, stream = stream_all(fixed, mel, [37] * 4)
     assert [p.shape for p in a] == [p.shape for p in b]
     assert_equal_to_offline(np.concatenate(b), np.concatenate(a))
     assert stream.stats.max_step_frames <= 16
     with pytest.raises(ValueError, match="include 1"):
-        open_vocoder(small_artifacts.out, device="cpu", step_sizes=(8, 4))
+        StreamingVocoder(anysize.backend, anysize.constants, step_sizes=(8, 4))
 
 
 def test_a_backends_own_f0_step_sizes_make_each_pushs_f0_one_call(small_artifacts):
-    """A backend that prepares its F0 step at every size (the compiled engine on CUDA: ``f0_step_sizes``) gets one
-    F0 call a push of up to 24 frames, the generator keeping its few sizes; the audio equals the generator's sizes
-    for both, and the offline pass, whatever the chunking."""
+    """A backend that prepares its F0 step at every size (the compiled engine on CUDA: its traits' ``f0_step_sizes``)
+    gets one F0 call a push of up to 24 frames, the generator keeping its few sizes; the audio equals the generator's
+    sizes for both, and the offline pass, whatever the chunking."""
     from hift_runtime import StreamingVocoder
 
-    same = open_vocoder(small_artifacts.out, device="cpu", step_sizes=(24, 8, 4, 1))
     backend = open_vocoder(small_artifacts.out, device="cpu").backend
-    backend.f0_step_sizes = tuple(range(24, 0, -1))
+    same = StreamingVocoder(backend, open_vocoder(small_artifacts.out, device="cpu").constants,
+                            step_sizes=(24, 8, 4, 1))
+    backend = open_vocoder(small_artifacts.out, device="cpu").backend
+    backend.traits = dataclasses.replace(backend.traits, f0_step_sizes=tuple(range(24, 0, -1)))
     calls: list[int] = []
     f0_step = backend.f0_step
     backend.f0_step = lambda mel, caches: calls.append(mel.shape[2]) or f0_step(mel, caches)
@@ -279,7 +284,7 @@ def upstream_config(artifacts):
 
 def test_runtime_imports_without_torch():
     code = ("import sys; sys.modules['torch'] = None\n"
-            "import hift_runtime, hift_runtime.cli, hift_runtime.sessions\n"
+            "import hift_runtime, hift_runtime.cli, hift_runtime.ort_engine, hift_runtime.opening\n"
             "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
             "print('ok')")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)

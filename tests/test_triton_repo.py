@@ -14,6 +14,7 @@ import pytest
 from hift_runtime import open_vocoder
 from hift_runtime.batching import PushScheduler
 from hift_runtime.manifest import DTYPE_NAMES, read_manifest
+from hift_runtime.engine import EngineTraits
 from hift_runtime.streaming import StreamingVocoder
 
 from hift_export.targets import STEP_TOLERANCE
@@ -101,6 +102,13 @@ class SequenceBatcherEmulator:
     changes nothing, so its retry is again the stream's first request)."""
 
     name = "triton-repo(emulated)"
+    traits = EngineTraits()
+
+    def warmup(self, step_sizes, progress=None) -> None:
+        pass
+
+    def stream_capacity(self) -> int:
+        return min(self.candidates.values())
 
     def __init__(self, repo: Path) -> None:
         self.sessions = {kind: ort.InferenceSession(str(repo / model / "1" / "model.onnx"),
