@@ -182,7 +182,7 @@ def main() -> None:
               "command": "python benchmarks/lone_push.py " + " ".join(
                   f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
               "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
-              "conv_layout": backend.conv_layout, "cache_layout": backend.cache_layout,
+              "conv_layout": backend.conv_layout,
               "cudnn_algorithms": backend.cudnn_algorithms,
               "step_window_frames": backend.step_window_frames, "open_and_warmup_s": round(warmup_s, 1), "ms": rows,
               "parity_vs_cpu_fp32": parity}

@@ -41,7 +41,7 @@ FAMILIES = (
 )
 
 
-# A variant's (conv_layout, cache_layout, inductor options) for the engine (conv_layout None: the precision's).
+# A variant's inductor options (the engine's own layout for the precision).
 VARIANTS: dict[str, dict[str, Any]] = {"default": {}, "max-autotune": {"max_autotune": True}}
 
 

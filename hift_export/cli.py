@@ -6,11 +6,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from hift_model.config import DEFAULT_SEED
 from hift_runtime.argparsing import OneLineArgumentParser, gpu_ids
-
-from hift_model.checkpoint import CheckpointError
-from hift_model.config import COSYVOICE3
-from hift_model.model import DEFAULT_SEED
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,10 +40,21 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    import importlib.util
+
     args = _parser().parse_args(argv)
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    if importlib.util.find_spec("torch") is None:
+        print("hift-export: error: the export needs torch: pip install torch==2.13.0 && pip install -e '.[export]'",
+              file=sys.stderr)
+        return 2
+    from hift_model.checkpoint import CheckpointError
+    from hift_model.config import COSYVOICE3
+
+    from .export import ExportError
+
     try:
-        from .export import ExportError, export_artifacts
+        from .export import export_artifacts
 
         config = COSYVOICE3.reduced() if args.reduced else COSYVOICE3
         if "onnx" not in formats and args.triton_repo:

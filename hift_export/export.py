@@ -40,7 +40,8 @@ from hift_runtime.manifest import FORMAT_VERSION, MANIFEST_NAME, sha256_file
 from hift_model.config import COSYVOICE3, HiFTConfig
 from .folder_swap import listed_files, recover_stale_siblings, sibling, swap_into_place
 from .graphs import F0_STEP_INPUTS, GENERATOR_STEP_INPUTS
-from hift_model.model import DEFAULT_SEED, CheckpointSource, load_hift
+from hift_model.config import DEFAULT_SEED
+from hift_model.model import CheckpointSource, load_hift
 from .onnx_export import export_onnx, onnx_runners
 from hift_model.step import F0_PRECISIONS, dtype_name, step_contract
 from .targets import ARTIFACT_FILES, STEP_TOLERANCE, ExportError, check_against_eager, judge

@@ -11,8 +11,8 @@ reads the rows of this step's streams and writes their next caches back into the
   replaced by the next caches. A runtime binds ``pool_out`` to ``pool``'s own buffer (ScatterND updates it in place).
 
 Rows are read and written element by element (indices ``slot * R + 0 .. R-1``), not as whole rows: ONNX Runtime's
-CUDA ScatterND gives each index one thread, so a row index would copy a 144 332-float row serially; that made a
-batched step 1.4-2.3x slower than the plain graph on an H200 (benchmarks/slot_forms.py). The pool is flat so that
+CUDA ScatterND gives each index one thread, so a row index would copy a whole cache row serially (BENCHMARKS.md:
+the slot forms measured). The pool is flat so that
 ScatterND writes the bound output itself (a reshape in between would be a copy of the whole pool).
 
 The utterance start needs no zeroing: rows with ``first`` read zeros instead of their slot (the zero caches of a

@@ -1,10 +1,19 @@
 """The CosyVoice3 vocoder in PyTorch: HiFT rebuilt exactly, strict loading of an upstream checkpoint, weight-norm
-folding, and the stateful step every engine and the exporter run."""
+folding, and the stateful step every engine and the exporter run. ``hift_model.config`` imports no torch; the names
+below are imported (with torch) when first used."""
 
-from .checkpoint import CheckpointError
-from .config import COSYVOICE3, HiFTConfig
-from .folding import count_weight_norms, expected_weight_norms, fold_weight_norms
-from .model import FoldReport, HiFT, load_hift, random_state_dict
+from __future__ import annotations
 
-__all__ = ["COSYVOICE3", "CheckpointError", "FoldReport", "HiFT", "HiFTConfig", "count_weight_norms",
-           "expected_weight_norms", "fold_weight_norms", "load_hift", "random_state_dict"]
+import importlib
+from typing import Any
+
+_WHERE = {"CheckpointError": "checkpoint", "COSYVOICE3": "config", "HiFTConfig": "config",
+          "count_weight_norms": "folding", "expected_weight_norms": "folding", "fold_weight_norms": "folding",
+          "FoldReport": "model", "HiFT": "model", "load_hift": "model", "random_state_dict": "model"}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'hift_model' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)

@@ -11,6 +11,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+# Upstream's yaml seed: the embedded random-weight default's.
+DEFAULT_SEED = 1986
+
 
 @dataclass(frozen=True)
 class HiFTConfig:

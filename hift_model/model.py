@@ -16,14 +16,13 @@ from typing import Any
 import torch
 
 from .checkpoint import CheckpointError, F0_PREFIX, load_strict, normalize_keys, read_checkpoint, split_f0
-from .config import COSYVOICE3, HiFTConfig
+from .config import COSYVOICE3, DEFAULT_SEED, HiFTConfig
 from .f0_predictor import CausalF0Predictor
 from .folding import expected_weight_norms, fold_weight_norms
 from .generator import CausalHiFTGenerator
 from .layers import WeightNormAPI
 from .spectral_ops import SpectralMode
 
-DEFAULT_SEED = 1986  # upstream's yaml seed; used for the embedded random-weight default
 CheckpointSource = str | os.PathLike[str] | Mapping[str, Any]
 
 

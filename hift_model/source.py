@@ -41,8 +41,7 @@ class HarmonicSource(nn.Module):
         self.l_linear = nn.Linear(config.num_sines, 1)
         self.register_buffer("harmonics", torch.arange(1, config.num_sines + 1, dtype=torch.float32), persistent=False)
         # A tensor, not a Python number: eager CUDA divides by a number as a multiply by its rounded reciprocal, which
-        # moves ``rad`` by an ulp now and then; the float64 phase sum then rounds to other float32 values than on the
-        # CPU (57 dB between the two sources on a 20 s stream, 66 dB of audio). A tensor divisor divides exactly.
+        # moves ``rad`` by an ulp now and then and the phase sum with it (BENCHMARKS.md); a tensor divides exactly.
         self.register_buffer("rate", torch.tensor([float(config.sampling_rate)]), persistent=False)
 
     def forward(self, f0: torch.Tensor, noise: torch.Tensor, phase_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

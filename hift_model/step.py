@@ -300,8 +300,8 @@ def f0_step(predictor: CausalF0Predictor, mel: torch.Tensor, caches: dict[str, t
     """One F0 step: ``mel [B, 80, c+3]`` -> ``f0 [B, c]`` float32 and the new caches (see the module docstring).
 
     ``one_gemm`` (the ``matmul`` form only): each convolution as one GEMM over the whole batch's frames instead of B
-    skinny ones (``c + 2`` columns each). Same products and sums per output; on an H200 the float64 F0 step of ~140
-    streams took 13 ms as B skinny GEMMs. The exported graph keeps the batched form (ONNX Runtime's choice)."""
+    skinny ones (``c + 2`` columns each): the same products and sums per output, far fewer kernel launches on a GPU.
+    The exported graph keeps the batched form (ONNX Runtime's choice)."""
     x = mel.to(predictor.classifier.weight.dtype)
     new: dict[str, torch.Tensor] = {}
     for i, layer in enumerate(predictor.condnet):

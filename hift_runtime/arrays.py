@@ -2,7 +2,7 @@
 
 NumPy releases the GIL inside nearly every array operation, whatever its size. In a busy process (streams' event
 loop, scheduler, device thread) each release hands the GIL to another thread and the caller waits to get it back, up
-to Python's switch interval: a copy of a few microseconds becomes a wait of hundreds (``benchmarks/gil_handoffs.py``).
+to Python's switch interval: a copy of a few microseconds becomes a wait of hundreds (BENCHMARKS.md).
 A ``bytearray`` join of buffers, or an assignment of one buffer's bytes to another through ``memoryview``, is a
 ``memcpy`` under the GIL (``np.empty`` only allocates).
 """
@@ -21,8 +21,8 @@ def byte_view(array: np.ndarray) -> memoryview:
 def concat_rows(arrays: list[np.ndarray]) -> np.ndarray:
     """``np.concatenate(arrays, axis=0)`` (a new array, even of one piece), as one join of their bytes when every
     array is C-contiguous with the same dtype and trailing shape (else NumPy's, which also says what does not fit).
-    The result is writable and its memory (a ``bytearray``) holds exactly its values. (One ``bytearray`` join of a
-    batch's 225 mel rows: 0.1 ms; the same copies through ``memoryview`` slices one by one: 0.6 ms.)"""
+    The result is writable and its memory (a ``bytearray``) holds exactly its values; one join, not a copy per row
+    (each NumPy copy would hand the GIL away in a busy process)."""
     first = arrays[0]
     tail = first.shape[1:]
     joinable = first.ndim > 0 and 0 not in tail and all(

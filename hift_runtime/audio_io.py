@@ -4,6 +4,8 @@ output's extension."""
 from __future__ import annotations
 
 import os
+import pickle
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -24,16 +26,23 @@ def read_mel(path: str | os.PathLike[str]) -> np.ndarray:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"mel file {path} does not exist")
-    if path.suffix == ".npy":
-        return np.load(path, allow_pickle=False)
-    if path.suffix == ".npz":
+    if path.suffix not in (".npy", ".npz"):
+        raise AudioFormatError(f"mel file {path} must be .npy or .npz, not {path.suffix or 'no extension'}")
+    if path.stat().st_size == 0:
+        raise AudioFormatError(f"mel file {path} is empty; write the mel with numpy.save")
+    try:
+        if path.suffix == ".npy":
+            return np.load(path, allow_pickle=False)
         with np.load(path, allow_pickle=False) as data:
             if "mel" in data.files:
                 return data["mel"]
             if len(data.files) == 1:
                 return data[data.files[0]]
             raise AudioFormatError(f"{path} holds {data.files}; name the mel array 'mel'")
-    raise AudioFormatError(f"mel file {path} must be .npy or .npz, not {path.suffix or 'no extension'}")
+    except (ValueError, EOFError, zipfile.BadZipFile, pickle.UnpicklingError) as exc:
+        why = str(exc).splitlines()[0][:200]
+        raise AudioFormatError(f"mel file {path} is not a NumPy {path.suffix} array ({why}); write the mel with "
+                               f"numpy.save") from exc
 
 
 def check_audio_path(path: str | os.PathLike[str], subtype: str | None = None) -> None:

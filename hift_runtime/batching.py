@@ -251,9 +251,8 @@ class PushScheduler:
         """Schedule from ``loop``'s thread instead of this scheduler's own (call it from inside the running loop,
         before its first push): for an application whose streams are tasks of one event loop. The event loop's
         thread then advances the pushes between its tasks, and no scheduler thread takes the GIL from it (in a busy
-        process every NumPy call hands the GIL to the other thread and waits for it back: on 2 cores over a
-        stand-in of the tf32 step, alternated runs, p95 at 1 536 streams 232-495 ms against 581-922 threaded, and
-        10-40 % more audio past the knee). Pushes from other threads (``push()``) and other loops still work,
+        process every NumPy call hands the GIL to the other thread and waits for it back; BENCHMARKS.md, "the
+        scheduler in the event loop's thread"). Pushes from other threads (``push()``) and other loops still work,
         handed to this loop. :meth:`detach_loop` gives the scheduling back to a thread."""
         import asyncio
 
@@ -393,9 +392,8 @@ class PushScheduler:
         """Start the next batched calls that are due (called when the device is idle or a call has landed): with the
         device idle, a group as soon as one is ready (and done waiting for partners); behind a call on the device,
         one more, only of ``queue_behind`` calls or more. Queued, it starts the moment the device is free instead of
-        after this thread has woken up for the landed call and formed it (at the knee of the tf32 engine's load test
-        on the H200, the device was idle a third of the time); a smaller group waits for the landed call's pushes,
-        which may join it."""
+        after this thread has woken up for the landed call and formed it (else the device idles meanwhile under load);
+        a smaller group waits for the landed call's pushes, which may join it."""
         while len(flights) < 2:
             inline = (not flights and self.inline_lone_calls and len(self._handed_over) == 1
                       and self.backend.traits.calls_from_any_thread)

@@ -115,11 +115,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], help="generator device (default auto)")
     p.add_argument("--engine", choices=ENGINES, default="auto",
                    help="auto (default): the compiled engine on a CUDA device when torch with CUDA is installed, "
-                        "else ONNX Runtime; ort; compiled (torch.compile, CUDA)")
+                        "else ONNX Runtime; ort; compiled (torch.compile and CUDA graphs on CUDA; on the CPU the "
+                        "same step eagerly, slower than ort)")
     p.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="fp32 (default, TF32 off: parity), tf32, fp16 (compiled engine only); see BENCHMARKS.md")
     p.add_argument("--check", action="store_true",
-                   help="also run eager PyTorch through the same bookkeeping and compare (needs torch + hift_export)")
+                   help="also run eager PyTorch through the same bookkeeping and compare (needs the [export] extra)")
     p.add_argument("--checkpoint", help="checkpoint for --check when the manifest's path is not available")
     p.add_argument("--report", help="--check JSON report path (default: OUT with .parity.json)")
     p.add_argument("--plot", help="--check PNG plot path (default: OUT with .parity.png)")
@@ -139,6 +140,32 @@ def _one_line_warnings() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    try:
+        return _run(args)
+    except KeyboardInterrupt:  # no output file is written before the audio is whole
+        print("hift-vocode: interrupted", file=sys.stderr)
+        return 130
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def _needs(args: argparse.Namespace) -> None:
+    """What the run needs and a runtime-only install lacks, said before any work, with the extra to install."""
+    import importlib.util
+
+    if args.server and importlib.util.find_spec("tritonclient") is None:
+        raise UsageError("--server needs tritonclient: pip install -e '.[serve]' (or pip install "
+                         "'tritonclient[grpc,http]')")
+    if args.check:
+        try:
+            torch_side(PARITY_CHECK, "--check")
+        except ArtifactError as exc:
+            raise UsageError(str(exc)) from exc
+
+
+def _run(args: argparse.Namespace) -> int:
     say = (lambda *a, **k: None) if args.quiet else print
     _one_line_warnings()
     keep_freed_memory()
@@ -146,6 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         check_audio_path(out, args.subtype)
         schedule = parse_schedule(args.chunks)
+        _needs(args)
         if args.server:
             return _via_server(args, schedule, out, say)
         from .opening import open_vocoder
@@ -156,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                engine=args.engine, precision=args.precision)
         vocoder.warmup(progress=lambda message: say(f"hift-vocode: {message}", flush=True))
         mel = validate_mel(read_mel(args.mel) if args.mel else _wav_mel(args.wav, say),
-                           vocoder.constants.in_channels)
+                           vocoder.constants.in_channels, whole=args.mel or f"the mel of {args.wav}")
         sizes = chunk_sizes(schedule, mel.shape[1])
         sample_rate = vocoder.constants.sample_rate
         say(f"hift-vocode: generator on {vocoder.backend.name} ({vocoder.engine_reason}); {mel.shape[1]} frames "
@@ -167,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             mode = "offline"
         else:
             audio = np.concatenate(list(_stream(vocoder, mel, sizes, quiet=args.quiet)))
-            mode = f"streamed {len(sizes)} chunks"
+            mode = f"streamed {_plural(len(sizes), 'chunk')}"
         wall = time.perf_counter() - started
         write_audio(out, audio, sample_rate, args.subtype)
         seconds = audio.shape[0] / sample_rate
@@ -176,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.check:
             return _check(args, vocoder, mel, sizes, out, sample_rate, say)
     except (ArtifactError, MelError, StreamError, UsageError, AudioFormatError, NoiseTableError, ServerError,
-            OSError) as exc:
+            OSError, ValueError) as exc:  # (ValueError: an option the engine refuses, said in its own words)
         print(f"hift-vocode: error: {exc}", file=sys.stderr)
         return 2
     return 0
@@ -200,11 +228,13 @@ def _via_server(args: argparse.Namespace, schedule: Sequence[int], out: Path, sa
         raise UsageError("--server names no address: give HOST:PORT (several comma-separated)")
     client: ServerClient | ShardedClient = ServerClient(urls[0]) if len(urls) == 1 else ShardedClient(urls)
     try:
-        mel = validate_mel(read_mel(args.mel) if args.mel else _wav_mel(args.wav, say), client.in_channels)
+        mel = validate_mel(read_mel(args.mel) if args.mel else _wav_mel(args.wav, say), client.in_channels,
+                           whole=args.mel or f"the mel of {args.wav}")
         if mel.shape[1] == 0:
             raise UsageError("the mel has no frames: nothing to send")
         sizes = chunk_sizes(schedule, mel.shape[1])
-        say(f"hift-vocode: streaming {mel.shape[1]} frames in {len(sizes)} chunks through {args.server}", flush=True)
+        say(f"hift-vocode: streaming {mel.shape[1]} frames in {_plural(len(sizes), 'chunk')} through {args.server}",
+            flush=True)
         stream = client.stream()
         started = time.perf_counter()
         pieces = [stream.push(chunk, end=last) for chunk, last in _chunks_with_progress(mel, sizes, args.quiet)]
@@ -215,8 +245,8 @@ def _via_server(args: argparse.Namespace, schedule: Sequence[int], out: Path, sa
     sample_rate = int(stream.sample_rate)
     write_audio(out, audio, sample_rate, args.subtype)
     seconds = audio.shape[0] / sample_rate
-    say(f"hift-vocode: streamed {len(sizes)} chunks via {stream.client.url}: {seconds:.2f} s of audio in {wall:.2f} s "
-        f"(RTF {wall / max(seconds, 1e-9):.3f}) -> {out}")
+    say(f"hift-vocode: streamed {_plural(len(sizes), 'chunk')} via {stream.client.url}: {seconds:.2f} s of audio in "
+        f"{wall:.2f} s (RTF {wall / max(seconds, 1e-9):.3f}) -> {out}")
     return 0
 
 

@@ -13,16 +13,17 @@ from .errors import MelError, MelTypeError
 LOG_MEL_RANGE = (-30.0, 15.0)
 
 
-def validate_mel(mel: Any, channels: int) -> np.ndarray:
+def validate_mel(mel: Any, channels: int, whole: str | None = None) -> np.ndarray:
     """``[C, T]`` or ``[1, C, T]`` real floats -> contiguous float32 ``[C, T]``; raise :class:`MelError` otherwise.
 
     float64/float16 input is converted to float32 (what the graphs compute in); integer, bool and complex arrays
-    are refused (a mel is never integer; an integer array is almost certainly the wrong input).
+    are refused (a mel is never integer; an integer array is almost certainly the wrong input). ``whole``: the name of
+    a whole mel (a file) the errors speak of, instead of a stream's chunk.
     """
-    return validate_mel_range(mel, channels)[0]
+    return validate_mel_range(mel, channels, whole)[0]
 
 
-def validate_mel_range(mel: Any, channels: int) -> tuple[np.ndarray, float, float]:
+def validate_mel_range(mel: Any, channels: int, whole: str | None = None) -> tuple[np.ndarray, float, float]:
     """:func:`validate_mel`, and the chunk's smallest and largest value (0, 0 when empty)."""
     if not isinstance(mel, np.ndarray):
         try:
@@ -49,6 +50,7 @@ def validate_mel_range(mel: Any, channels: int) -> tuple[np.ndarray, float, floa
     lo, hi = float(mel.min()), float(mel.max())
     if not math.isfinite(lo + hi):
         bad = np.argwhere(~np.isfinite(mel))
+        where = f"of {whole}" if whole else "of this chunk; the stream is unchanged"
         raise MelError(f"mel has {bad.shape[0]} non-finite values (NaN/Inf), first at bin {bad[0][0]}, frame "
-                       f"{bad[0][1]} of this chunk; the stream is unchanged")
+                       f"{bad[0][1]} {where}")
     return mel, lo, hi

@@ -41,6 +41,9 @@ def compiled_engine_module() -> Any:
 def choose_engine(engine: str, device: str, manifest: Manifest) -> tuple[str, str]:
     """``auto`` -> the compiled engine on a CUDA device when torch with CUDA is there and the export has its weights,
     else ONNX Runtime; with the reason (said in the CLIs' engine line)."""
+    if engine == "compiled" and (device == "cpu" or not nvidia_driver_present()):
+        return engine, ("engine='compiled' requested; on the CPU it runs the same step eagerly (torch.compile and "
+                        "CUDA graphs are CUDA's; engine='ort' is faster here)")
     if engine != "auto":
         return engine, f"engine={engine!r} requested"
     if device == "cpu":
@@ -111,25 +114,8 @@ def open_vocoder(artifacts: str | os.PathLike[str], *, engine: str = "auto", dev
     except (KeyError, TypeError, ValueError) as exc:
         raise ArtifactError(f"{manifest.root}/manifest.json: unreadable step contract ({exc}); re-export") from exc
     slots = DEFAULT_SLOTS if max_streams is None else max_streams + OFFLINE_SLOTS
-    batches = tuple(b for b in BATCH_SIZES if b <= max_batch) if batching is not False else (1,)
-    if engine == "compiled":
-        module = compiled_engine_module()
-        opts = options if isinstance(options, CompiledOptions) else CompiledOptions()
-        target = "cpu" if device == "cpu" or (device == "auto" and not nvidia_driver_present()) else \
-            f"cuda:{opts.device_id}"
-        backend: Any = module.CompiledBackend(manifest, constants, device=target, precision=precision, options=opts,
-                                              slots=slots, batch_sizes=module.batch_ladder(max_batch))
-        on_gpu = backend.on_cuda
-    else:
-        if precision == "fp16":
-            raise ValueError("precision 'fp16' is the compiled engine's (engine='compiled'); ONNX Runtime runs fp32 "
-                             "or tf32")
-        from .ort_engine import CUDA, OrtBackend
-
-        opts = options if isinstance(options, OrtOptions) else OrtOptions()
-        backend = OrtBackend(manifest, constants, device=device, options=opts, precision=precision, slots=slots,
-                             batch_sizes=batches)
-        on_gpu = backend.generator_provider == CUDA
+    backend, on_gpu = _open_backend(engine, manifest, constants, device, precision, options, slots, batching,
+                                    max_batch)
     if batching is None:
         batching = on_gpu
     noise = (NoiseTable.from_npy(noise_table, constants.num_sines) if noise_table is not None
@@ -143,6 +129,29 @@ def open_vocoder(artifacts: str | os.PathLike[str], *, engine: str = "auto", dev
         vocoder.scheduler = PushScheduler(backend, max_batch=max_batch, max_wait_s=max_wait_ms / 1e3,
                                           pushes_in_progress=lambda: vocoder.pushes_in_progress)
     return vocoder
+
+
+def _open_backend(engine: str, manifest: Manifest, constants: StreamConstants, device: str, precision: str,
+                  options: EngineOptions | None, slots: int, batching: bool | None,
+                  max_batch: int) -> tuple[Any, bool]:
+    """The chosen engine's backend with ``slots`` device cache rows, and whether it runs on a GPU."""
+    if engine == "compiled":
+        module = compiled_engine_module()
+        opts = options if isinstance(options, CompiledOptions) else CompiledOptions()
+        target = "cpu" if device == "cpu" or (device == "auto" and not nvidia_driver_present()) else \
+            f"cuda:{opts.device_id}"
+        backend = module.CompiledBackend(manifest, constants, device=target, precision=precision, options=opts,
+                                         slots=slots, batch_sizes=module.batch_ladder(max_batch))
+        return backend, backend.on_cuda
+    if precision == "fp16":
+        raise ValueError("precision 'fp16' is the compiled engine's (engine='compiled'); ONNX Runtime runs fp32 or "
+                         "tf32")
+    from .ort_engine import CUDA, OrtBackend
+
+    batches = tuple(b for b in BATCH_SIZES if b <= max_batch) if batching is not False else (1,)
+    backend = OrtBackend(manifest, constants, device=device, options=options if isinstance(options, OrtOptions)
+                         else OrtOptions(), precision=precision, slots=slots, batch_sizes=batches)
+    return backend, backend.generator_provider == CUDA
 
 
 def _open_on_devices(artifacts: str | os.PathLike[str], devices: list[int], *, max_streams: int | None,

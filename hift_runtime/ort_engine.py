@@ -254,21 +254,7 @@ class OrtBackend:
             o.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
             if intra_op_threads:
                 o.intra_op_num_threads = intra_op_threads
-        providers: list[Any] = [CPU]
-        reason = "device='cpu' requested"
-        if device in ("auto", "cuda"):
-            if not nvidia_driver_present():
-                reason = "no NVIDIA driver on this host"
-                if device == "cuda":
-                    raise ArtifactError(f"device='cuda' requested but there is {reason}")
-            elif CUDA in ort.get_available_providers():
-                providers = [(CUDA, self._provider_options), CPU]
-                reason = ""
-            else:
-                reason = f"this onnxruntime build has no CUDA EP (available: {ort.get_available_providers()})"
-                if device == "cuda":
-                    raise ArtifactError(f"device='cuda' requested but {reason}; install onnxruntime-gpu "
-                                        f"(and not onnxruntime beside it)")
+        providers, reason = self._providers(device)
         gen = constants.generator_caches
         if providers[0] != CPU:
             # CUDA sessions compute on the device; their CPU thread pools only run shape arithmetic, and spinning
@@ -294,20 +280,9 @@ class OrtBackend:
         if active != CUDA:  # the host form: caches are NumPy arrays that travel with each call
             self._gen = {False: StepSession(self._session(GENERATOR_STEP, cpu_opts, providers, gen), gen),
                          True: StepSession(self._session(GENERATOR_STEP_FINAL, cpu_opts, providers, gen), gen)}
-        f0_providers = providers if active == CUDA else [CPU]
-        f0_opts = opts if f0_providers is providers else cpu_opts  # a CPU session keeps its thread pool
         self._f0_graphs: dict[tuple[int, int], CapturedGraph] = {}  # (step size, batch) -> captured F0 step
         self._f0_graphs_enabled = False
-        f0_session = None
-        if f0_providers is providers and self._graphs_enabled:
-            try:
-                f0_session = self._session(F0_STEP, f0_opts, [(CUDA, self._provider_options | {"enable_cuda_graph": "1"}), CPU], constants.f0_caches)
-                self._f0_graphs_enabled = True
-            except ArtifactError:  # ordinary calls then: slower under changing shapes, otherwise the same
-                log.info("hift_runtime: the F0 step cannot be captured as a CUDA graph here; running it without")
-        if f0_session is None:
-            f0_session = self._session(F0_STEP, f0_opts, f0_providers, constants.f0_caches)
-        self._f0 = StepSession(f0_session, constants.f0_caches, self._plain if self._f0_graphs_enabled else None)
+        self._f0 = self._open_f0_session(opts if active == CUDA else cpu_opts, providers if active == CUDA else [CPU])
         self.f0_provider = self._f0.session.get_providers()[0]
         self.generator_provider = active
         self.traits = EngineTraits(step_sizes=ORT_STEP_SIZES if active == CUDA else None,
@@ -318,6 +293,38 @@ class OrtBackend:
         surprising = device == "auto" and active != CUDA and reason.startswith(("CUDA EP could not", "this onnx"))
         log.log(logging.WARNING if surprising else logging.INFO, "hift_runtime: generator on %s%s; F0 on %s", active,
                 f" ({reason})" if reason else "", self.f0_provider)
+
+    def _providers(self, device: str) -> tuple[list[Any], str]:
+        """The generator's execution providers for ``device`` and, where that is the CPU, why (one line); a
+        ``device='cuda'`` that cannot be had is refused."""
+        if device == "cpu":
+            return [CPU], "device='cpu' requested"
+        if not nvidia_driver_present():
+            reason = "no NVIDIA driver on this host"
+            if device == "cuda":
+                raise ArtifactError(f"device='cuda' requested but there is {reason}")
+            return [CPU], reason
+        if CUDA in ort.get_available_providers():
+            return [(CUDA, self._provider_options), CPU], ""
+        reason = f"this onnxruntime build has no CUDA EP (available: {ort.get_available_providers()})"
+        if device == "cuda":
+            raise ArtifactError(f"device='cuda' requested but {reason}; install onnxruntime-gpu (and not onnxruntime "
+                                f"beside it)")
+        return [CPU], reason
+
+    def _open_f0_session(self, opts: ort.SessionOptions, providers: list[Any]) -> StepSession:
+        """The F0 step beside the generator: on the CUDA EP as CUDA graphs where the generator's are captured (else
+        ordinary calls: slower under changing shapes, otherwise the same), or on the CPU EP."""
+        caches = self.constants.f0_caches
+        if providers[0] != CPU and self._graphs_enabled:
+            try:
+                session = self._session(F0_STEP, opts, [(CUDA, self._provider_options | {"enable_cuda_graph": "1"}),
+                                                        CPU], caches)
+                self._f0_graphs_enabled = True
+                return StepSession(session, caches, self._plain)
+            except ArtifactError:
+                log.info("hift_runtime: the F0 step cannot be captured as a CUDA graph here; running it without")
+        return StepSession(self._session(F0_STEP, opts, providers, caches), caches)
 
     def _open_slot_sessions(self, opts: ort.SessionOptions, providers: list[Any]) -> str:
         """The slot-form generator sessions and the device pool; returns the provider the step session got."""

@@ -3,18 +3,15 @@
 **The allocator** (:func:`keep_freed_memory`). Every push allocates short-lived arrays of 40 KB to a few MB (a step's
 audio, a batch's stacked mel and outputs). glibc gives freed memory at a heap's top back to the kernel past its trim
 threshold (128 KB) and serves large allocations with fresh mappings, so the next push page-faults the same pages in
-again, most of it while holding the GIL. Measured with ``benchmarks/host_path.py`` (asyncio, K = 1 024, 2 cores):
-451 k minor faults -> 43 k and 5-12 % more pushes a second with the thresholds below. The cost: a process keeps up to
-the trim threshold of freed memory per allocator arena instead of returning it (its peak stays its peak).
+again, most of it while holding the GIL (``benchmarks/host_path.py``; BENCHMARKS.md). The cost: a process keeps up
+to the trim threshold of freed memory per allocator arena instead of returning it (its peak stays its peak).
 
 **The garbage collector** (:func:`tune_garbage_collector`). A process with torch and a compiled engine holds ~300 k
 objects that live as long as it does; each full (generation 2) collection walks them all while holding the GIL,
-stalling every stream: 111-143 ms a collection on the H200 host (81-128 ms on 2 cores), one every ~2 s at K = 1 024
-(``benchmarks/host_path.py --server-heap --gc-freeze off``). Frozen after warmup, they are never walked again (6-20 ms
-a full collection). And the young generation is collected every 10 000 new container objects instead of 700: with a
-thousand streams in flight, each young collection found their live coroutines and arrays and promoted them towards
-the full collections; at 10 000 (2 cores, K = 1 024) no full collection ran and pushes/s rose 15-20 %. Objects created
-later are collected as before, less often.
+stalling every stream for ~100 ms (``benchmarks/host_path.py --server-heap``; BENCHMARKS.md). Frozen after warmup,
+they are never walked again. And the young generation is collected every 10 000 new container objects instead of
+700: with a thousand streams in flight, each young collection found their live coroutines and arrays and promoted
+them towards the full collections. Objects created later are collected as before, less often.
 
 Applied by the entry points that run streams (``hift-serve`` in each of its processes, the benchmarks; ``hift-vocode``
 the allocator's only), not by importing the library: an embedding application owns its process.
@@ -23,7 +20,7 @@ the allocator's only), not by importing the library: an embedding application ow
 **The GIL's switch interval** (:data:`HANDOFF_SWITCH_INTERVAL_S`, :func:`switch_interval_at_most`). A thread that
 calls into NumPy or torch releases the GIL inside the call; beside a thread running pure Python it then waits for the
 GIL back up to Python's switch interval, 5 ms by default: a call of microseconds becomes one of milliseconds
-(``benchmarks/gil_handoffs.py``). ``hift-serve`` serves with a short interval; the compiled engine's warmup, whose
+(BENCHMARKS.md). ``hift-serve`` serves with a short interval; the compiled engine's warmup, whose
 threads call the eager step while dynamo traces in another, runs under one.
 """
 from __future__ import annotations
@@ -54,7 +51,7 @@ GC_ENV_SWITCH = "HIFT_GC_TUNING"
 YOUNG_COLLECTION_THRESHOLD = 10_000
 # A process's threads hand work to each other (a server's request threads, the streams' event loop, the push
 # scheduler, the device thread; a warmup's choosing threads beside dynamo's tracing): a short GIL switch interval
-# keeps each hand-off from waiting up to Python's default 5 ms. Set by both of hift-serve's front ends and, for its
+# keeps each hand-off from waiting up to Python's default 5 ms. Set by hift-serve's processes and, for its
 # own length, by the compiled engine's warmup.
 HANDOFF_SWITCH_INTERVAL_S = 0.0005
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from . import wire
@@ -93,8 +93,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"hift-serve: error: PyTriton is not installed ({exc}); install the project with its [serve] extra: "
               f"pip install -e \".[serve]\"", file=sys.stderr)
         return 2
+    from .manifest import read_manifest
     from .server_processes import ports_of, serve_processes
 
+    try:  # the export's errors first, in one line, before the ports or Triton
+        read_manifest(args.artifacts, verify=None)
+    except (ArtifactError, OSError, ValueError) as exc:
+        print(f"hift-serve: error: {exc}", file=sys.stderr)
+        return 2
     busy = busy_port(args.host, ports_of(args, args.processes))  # one process: its four ports as given
     if busy:
         print(f"hift-serve: error: {busy}", file=sys.stderr)
@@ -109,11 +115,10 @@ def serve_python_backend(args: argparse.Namespace, argv: list[str], opener: str 
     (:mod:`.triton_python`); this process supervises it: the ready line once the model answers ready, SIGTERM/Ctrl-C
     passed on, a dead model process noticed, the exit status."""
     import shutil
-    import time
 
     from .manifest import read_manifest
-    from .supervision import process_alive, release_folder, stop_processes, stop_signals_recorded, temp_folder
-    from .triton_python import OPENER, launch, load_failure, model_pid
+    from .supervision import release_folder, stop_processes, stop_signals_recorded, temp_folder
+    from .triton_python import OPENER, launch, load_failure
 
     opener = opener or OPENER
 
@@ -134,24 +139,9 @@ def serve_python_backend(args: argparse.Namespace, argv: list[str], opener: str 
             except (FileNotFoundError, ImportError, OSError) as exc:
                 print(f"hift-serve: error: cannot start tritonserver: {exc}", file=sys.stderr)
                 return 2
-            announced = False
-            dead_model: int | None = None
-            while process.poll() is None and not stopping:
-                if not announced and wait_model_ready(http_url, wire.MODEL_NAME, timeout_s=0.5):
-                    print(ready_line(args, "the runtime inside Triton's Python backend", log_file), flush=True)
-                    announced = True
-                pid = model_pid(folder)
-                if pid is not None and not process_alive(pid) and not stopping:
-                    dead_model = pid  # tritonserver would keep answering ready while nothing serves
-                    try:  # a model that failed to load takes tritonserver down by itself: its message is better
-                        process.wait(timeout=2)
-                    except subprocess.TimeoutExpired:
-                        break
-                time.sleep(0.2)
-            if process.poll() is not None and not stopping and announced and dead_model is None:
-                pid = model_pid(folder)  # Triton may abort on its own once its stub is gone, before we look
-                if pid is not None and not process_alive(pid):
-                    dead_model = pid
+            announced, dead_model = _watch(process, folder, stopping, lambda: print(
+                ready_line(args, "the runtime inside Triton's Python backend", log_file), flush=True),
+                lambda: wait_model_ready(http_url, wire.MODEL_NAME, timeout_s=0.5))
             if dead_model is not None and (announced or process.poll() is None):
                 also = "" if process.poll() is None else f" (tritonserver with it, status {process.returncode})"
                 if process.poll() is None:
@@ -184,6 +174,37 @@ def serve_python_backend(args: argparse.Namespace, argv: list[str], opener: str 
             shutil.rmtree(folder, ignore_errors=True)
     print("hift-serve: stopped", flush=True)
     return 0
+
+
+
+
+def _watch(process: subprocess.Popen, folder: Path, stopping: list[int], announce: Callable[[], None],
+           model_ready: Callable[[], bool]) -> tuple[bool, int | None]:
+    """Watch ``tritonserver`` until it exits, a stop is asked, or its model process dies: ``announce()`` once the
+    model answers ready; whether it did, and the pid of a model process found dead (None: none)."""
+    import time
+
+    from .supervision import process_alive
+    from .triton_python import model_pid
+
+    announced, dead_model = False, None
+    while process.poll() is None and not stopping:
+        if not announced and model_ready():
+            announce()
+            announced = True
+        pid = model_pid(folder)
+        if pid is not None and not process_alive(pid) and not stopping:
+            dead_model = pid  # tritonserver would keep answering ready while nothing serves
+            try:  # a model that failed to load takes tritonserver down by itself: its message is better
+                process.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                break
+        time.sleep(0.2)
+    if process.poll() is not None and not stopping and announced and dead_model is None:
+        pid = model_pid(folder)  # Triton may abort on its own once its stub is gone, before we look
+        if pid is not None and not process_alive(pid):
+            dead_model = pid
+    return announced, dead_model
 
 
 if __name__ == "__main__":

@@ -93,18 +93,7 @@ class StreamingVocoder:
                  noise_seed: int = 0, phase: str = "upstream", step_sizes: tuple[int, ...] | None = None,
                  max_streams: int | None = None, idle_timeout_s: float | None = None,
                  max_step_frames: int = MAX_STEP_FRAMES) -> None:
-        if phase not in PHASE_MODES:
-            raise ValueError(f"phase must be one of {PHASE_MODES}, got {phase!r}")
-        if step_sizes is not None:
-            step_sizes = tuple(sorted({int(s) for s in step_sizes}, reverse=True))
-            if not step_sizes or 1 not in step_sizes or step_sizes[-1] < 1:
-                raise ValueError(f"step_sizes must be positive and include 1 (so any push splits), got {step_sizes}")
-        if max_streams is not None and max_streams < 1:
-            raise ValueError(f"max_streams must be >= 1 (or None: no limit), got {max_streams}")
-        if idle_timeout_s is not None and idle_timeout_s <= 0:
-            raise ValueError(f"idle_timeout_s must be > 0 (or None: never), got {idle_timeout_s}")
-        if max_step_frames < 1:
-            raise ValueError(f"max_step_frames must be >= 1, got {max_step_frames}")
+        step_sizes = _checked_options(phase, step_sizes, max_streams, idle_timeout_s, max_step_frames)
         self.phase_mode = phase
         self.step_sizes = step_sizes
         # The F0 steps' sizes: the backend's own where it prepares F0 shapes apart (the compiled engine captures its
@@ -235,6 +224,25 @@ class StreamingVocoder:
             return np.zeros(0, np.float32)
         # Not a registered stream: no slot, no limit. Unbounded steps: one pass, as upstream computes it.
         return VocoderStream(self, one_pass=True)._advance(mel, final=True)
+
+def _checked_options(phase: str, step_sizes: tuple[int, ...] | None, max_streams: int | None,
+                     idle_timeout_s: float | None, max_step_frames: int) -> tuple[int, ...] | None:
+    """:class:`StreamingVocoder`'s options checked (one line naming the bad one); the step sizes sorted, largest
+    first."""
+    if phase not in PHASE_MODES:
+        raise ValueError(f"phase must be one of {PHASE_MODES}, got {phase!r}")
+    if step_sizes is not None:
+        step_sizes = tuple(sorted({int(s) for s in step_sizes}, reverse=True))
+        if not step_sizes or 1 not in step_sizes or step_sizes[-1] < 1:
+            raise ValueError(f"step_sizes must be positive and include 1 (so any push splits), got {step_sizes}")
+    if max_streams is not None and max_streams < 1:
+        raise ValueError(f"max_streams must be >= 1 (or None: no limit), got {max_streams}")
+    if idle_timeout_s is not None and idle_timeout_s <= 0:
+        raise ValueError(f"idle_timeout_s must be > 0 (or None: never), got {idle_timeout_s}")
+    if max_step_frames < 1:
+        raise ValueError(f"max_step_frames must be >= 1, got {max_step_frames}")
+    return step_sizes
+
 
 class VocoderStream:
     """One utterance: ``push(mel_chunk) -> samples``, then ``finish() -> the held-back tail`` (or ``finish(last_chunk)``:

@@ -138,26 +138,28 @@ class CompiledBackend:
         self._graphs: dict[tuple[str, int, int], CapturedCall] = {}
         self._mirrors: dict[tuple[str, int], HostMirrors] = {}  # (kind, frames) -> its pinned host buffers
         self._graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
-        # Compiled forms are called only at warmup, on the shapes it captures; every other shape (a final step
-        # shorter than the look-ahead, an offline pass) runs the same code eagerly: nothing compiles after warmup.
-        self._compiled = {"generator": self._step, "final": self._final, "f0": self._f0}
-        if self.compiled:
-            import torch._dynamo as dynamo
-
-            dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, RECOMPILE_LIMIT)
-            # Not dynamic=False: it ignores mark_dynamic and compiles every batch size anew. Warmup marks the batch
-            # dynamic and every other dimension static. Channels-last keeps the activations NHWC between the
-            # convolutions only with inductor's layout optimization forced.
-            compile_options = {"force_layout_optimization": True} if self.conv_layout == "channels-last" else None
-            self._compiled["generator"] = functools.partial(self._with_source,
-                                                            torch.compile(self._rest, options=compile_options))
-            self._compiled["final"] = functools.partial(self._with_source,
-                                                        torch.compile(self._final_rest, options=compile_options))
-            # The pool's rows dynamic too, so one compile (and inductor's cache) serves any slot count.
-            dynamo.maybe_mark_dynamic(self._generator_rows.pool, 0)
+        self._compiled = self._compiled_forms() if self.compiled else {"generator": self._step, "final": self._final,
+                                                                       "f0": self._f0}
         self.compiles_at_warmup: int | None = None
         self.warmup_seconds: dict[str, float] = {}  # "kind:frames x batch" -> seconds of its capture
         self.first_call_seconds: dict[str, float] = {}  # "kind:frames" -> seconds of its compile or its load
+
+    def _compiled_forms(self) -> dict[str, Callable[..., tuple[torch.Tensor, ...]]]:
+        """The steps as warmup compiles them: the eager source, then the rest under ``torch.compile``; the F0 step
+        eager. They are called only at warmup, on the shapes it captures; every other shape (a final step shorter
+        than the look-ahead, an offline pass) runs the same code eagerly: nothing compiles after warmup."""
+        import torch._dynamo as dynamo
+
+        dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, RECOMPILE_LIMIT)
+        # Not dynamic=False: it ignores mark_dynamic and compiles every batch size anew. Warmup marks the batch
+        # dynamic and every other dimension static. Channels-last keeps the activations NHWC between the
+        # convolutions only with inductor's layout optimization forced.
+        options = {"force_layout_optimization": True} if self.conv_layout == "channels-last" else None
+        # The pool's rows dynamic too, so one compile (and inductor's cache) serves any slot count.
+        dynamo.maybe_mark_dynamic(self._generator_rows.pool, 0)
+        return {"generator": functools.partial(self._with_source, torch.compile(self._rest, options=options)),
+                "final": functools.partial(self._with_source, torch.compile(self._final_rest, options=options)),
+                "f0": self._f0}
 
     # ---- the functions compiled (pure tensor code) -----------------------------------------------------------------
     def _noise(self, start: torch.Tensor, frames: int) -> torch.Tensor:

@@ -170,24 +170,34 @@ def run_parity(vocoder: StreamingVocoder, reference: TorchBackend, mel: np.ndarr
 
 def plot_parity(report: ParityReport, ours: np.ndarray, reference: np.ndarray, path: str | os.PathLike[str],
                 sample_rate: int) -> None:
+    """A figure a reviewer can read alone: both waveforms, their difference, each chunk's largest difference against
+    the stage tolerance, and the verdict."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(3, 1, figsize=(11, 8), constrained_layout=True)
+    verdict = "PASS" if report.passed else "FAIL"
+    fig, axes = plt.subplots(3, 1, figsize=(11, 8.5), constrained_layout=True)
+    fig.suptitle(f"hift-vocode --check: {verdict}  ({report.backend} against {report.reference}, {report.frames} "
+                 f"frames in {len(report.chunks)} pushes)", color="C2" if report.passed else "C3", fontsize=12)
     t = np.arange(ours.shape[0]) / sample_rate
     axes[0].plot(t, reference, lw=0.6, label=report.reference)
     axes[0].plot(t, ours, lw=0.6, alpha=0.7, label=report.backend)
-    axes[0].set_title("waveforms")
+    axes[0].set(title="waveforms", xlabel="time (s)", ylabel="amplitude")
     axes[0].legend(loc="upper right")
     axes[1].plot(t, ours.astype(np.float64) - reference, lw=0.6, color="C3")
-    axes[1].set_title(f"difference (max abs {report.end_to_end_max_abs:.2e}, SNR {report.end_to_end_snr_db:.1f} dB)")
-    axes[1].set_xlabel("seconds")
-    idx = [c.index for c in report.chunks]
-    axes[2].bar(idx, [max(c.max_abs, 1e-12) for c in report.chunks], color="C2")
+    axes[1].set(title=f"difference: max abs {report.end_to_end_max_abs:.2e}, SNR {report.end_to_end_snr_db:.1f} dB "
+                      f"(bound >= {END_TO_END_SNR_DB:g} dB)", xlabel="time (s)", ylabel="ours - reference")
+    idx = [c.index + 1 for c in report.chunks]
+    floor = STAGE_AUDIO * 1e-6  # a difference of exactly 0 drawn at the floor, not off the chart
+    axes[2].bar(idx, [max(c.max_abs, floor) for c in report.chunks], color="C2", width=0.8)
+    axes[2].axhline(STAGE_AUDIO, color="C3", ls="--", lw=1, label=f"tolerance {STAGE_AUDIO:g}")
     axes[2].set_yscale("log")
-    axes[2].set_title("per-chunk max abs difference (last bar: finish)")
-    axes[2].set_xlabel("chunk")
+    axes[2].set_ylim(floor, max(STAGE_AUDIO * 10, max((c.max_abs for c in report.chunks), default=0) * 2))
+    axes[2].set(title="largest difference in each push's audio (the last: finish)", xlabel="push",
+                ylabel="max abs difference")
+    axes[2].set_xticks(idx if len(idx) <= 30 else idx[::max(1, len(idx) // 15)])
+    axes[2].legend(loc="upper right")
     fig.savefig(path, dpi=90)
     plt.close(fig)

@@ -523,9 +523,9 @@ def test_cudnn_chooses_by_its_heuristic_mode_b_unless_the_environment_says_other
 
 def test_the_compiled_graphs_take_the_cache_pool_at_any_slot_count(compiled_cpu):
     """The cache pool the compiled graphs read and write has dynamic rows where the engine compiles, so that one
-    compile in inductor's cache serves every slot count (benchmarks/slots_cache.py: on the CPU a process at 64 or
-    2 048 slots loaded the graph compiled at 16; static, each slot count compiled anew). Nothing is marked where the
-    step runs eagerly. (The compile itself is too slow for CI: the benchmark runs it.)"""
+    compile in inductor's cache serves every slot count (static, each slot count compiled anew: BENCHMARKS.md).
+    Nothing is marked where the step runs eagerly. (The compile itself is too slow for CI: the GPU test
+    test_a_start_at_another_slot_count_loads_its_graphs_from_the_cache runs it.)"""
     from hift_torch.compiled import CompiledBackend
 
     manifest, constants = compiled_cpu.backend.manifest, compiled_cpu.constants

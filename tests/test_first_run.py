@@ -128,3 +128,100 @@ def test_the_export_folder_is_readable_by_other_users(small_artifacts):
     umask = os.umask(0)
     os.umask(umask)
     assert stat.S_IMODE(small_artifacts.out.stat().st_mode) == 0o777 & ~umask  # as a plain mkdir makes it
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "is empty; write the mel with numpy.save"),
+    (b"\x93NUMPY\x01\x00garbage", "is not a NumPy .npy array"),
+    (b"not numpy at all", "is not a NumPy .npy array"),
+])
+def test_an_empty_or_corrupt_mel_file_is_one_line(small_artifacts, tmp_path, content, message, capsys):
+    (tmp_path / "e.npy").write_bytes(content)
+    code = vocode_main(["--artifacts", str(small_artifacts.out), "--mel", str(tmp_path / "e.npy"), "--out",
+                        str(tmp_path / "x.wav")])
+    captured = capsys.readouterr()
+    assert code == 2 and len(captured.err.strip().splitlines()) == 1, captured.err
+    assert message in captured.err and str(tmp_path / "e.npy") in captured.err and "Traceback" not in captured.err
+    assert not (tmp_path / "x.wav").exists()
+
+
+def test_fp16_on_onnx_runtime_is_one_line(small_artifacts, tmp_path, capsys):
+    np.save(tmp_path / "m.npy", np.full((80, 10), -5.0, np.float32))
+    code = vocode_main(["--artifacts", str(small_artifacts.out), "--mel", str(tmp_path / "m.npy"), "--out",
+                        str(tmp_path / "x.wav"), "--engine", "ort", "--precision", "fp16"])
+    captured = capsys.readouterr()
+    assert code == 2 and captured.err.strip().splitlines() == [
+        "hift-vocode: error: precision 'fp16' is the compiled engine's (engine='compiled'); ONNX Runtime runs fp32 "
+        "or tf32"]
+
+
+def test_a_whole_file_with_nan_is_named_not_a_chunk(small_artifacts, tmp_path, capsys):
+    mel = np.full((80, 120), -5.0, np.float32)
+    mel[3, 100] = np.nan
+    np.save(tmp_path / "m.npy", mel)
+    assert vocode_main(["--artifacts", str(small_artifacts.out), "--mel", str(tmp_path / "m.npy"), "--out",
+                        str(tmp_path / "x.wav")]) == 2
+    err = capsys.readouterr().err
+    assert f"first at bin 3, frame 100 of {tmp_path / 'm.npy'}" in err and "chunk" not in err
+
+
+def test_one_chunk_is_said_in_the_singular(small_artifacts, tmp_path, capsys):
+    np.save(tmp_path / "m.npy", np.full((80, 10), -5.0, np.float32))
+    assert vocode_main(["--artifacts", str(small_artifacts.out), "--mel", str(tmp_path / "m.npy"), "--out",
+                        str(tmp_path / "x.wav"), "--chunks", "24"]) == 0
+    out = capsys.readouterr().out
+    assert "streamed 1 chunk:" in out
+
+
+def test_the_compiled_engine_on_the_cpu_says_what_it_runs(small_artifacts, tmp_path, capsys):
+    pytest.importorskip("torch")
+    np.save(tmp_path / "m.npy", np.full((80, 10), -5.0, np.float32))
+    assert vocode_main(["--artifacts", str(small_artifacts.out), "--mel", str(tmp_path / "m.npy"), "--out",
+                        str(tmp_path / "x.wav"), "--engine", "compiled", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "generator on torch[cpu] (engine='compiled' requested; on the CPU it runs the same step eagerly" in out
+
+
+def test_ctrl_c_during_a_vocode_is_one_line_and_leaves_no_output(small_artifacts, tmp_path, monkeypatch, capsys):
+    from hift_runtime import cli
+
+    np.save(tmp_path / "m.npy", np.full((80, 200), -5.0, np.float32))
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "write_audio", interrupted)
+    code = vocode_main(["--artifacts", str(small_artifacts.out), "--mel", str(tmp_path / "m.npy"), "--out",
+                        str(tmp_path / "x.wav"), "--quiet"])
+    captured = capsys.readouterr()
+    assert code == 130 and captured.err.strip().splitlines() == ["hift-vocode: interrupted"]
+    assert not (tmp_path / "x.wav").exists()
+
+
+RUNTIME_ONLY = """
+import importlib.util, sys
+real = importlib.util.find_spec
+importlib.util.find_spec = lambda name, *a: None if name.split('.')[0] in ('torch', 'tritonclient') else real(name, *a)
+sys.modules['torch'] = None
+sys.modules['tritonclient'] = None
+from {module} import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("module, args, message", [
+    ("hift_runtime.cli", ["--server", "localhost:1", "--mel", "M", "--out", "O"], "--server needs tritonclient: pip "
+                                                                                   "install -e '.[serve]'"),
+    ("hift_runtime.cli", ["--artifacts", "A", "--mel", "M", "--out", "O", "--check"], "--check needs torch"),
+    ("hift_export.cli", ["--out", "O"], "the export needs torch: pip install torch==2.13.0 && pip install -e "
+                                        "'.[export]'"),
+])
+def test_a_runtime_only_install_names_the_extra_before_any_work(small_artifacts, tmp_path, module, args, message):
+    np.save(tmp_path / "m.npy", np.full((80, 10), -5.0, np.float32))
+    args = [{"A": str(small_artifacts.out), "M": str(tmp_path / "m.npy"), "O": str(tmp_path / "x.wav")}.get(a, a)
+            for a in args]
+    done = subprocess.run([sys.executable, "-c", RUNTIME_ONLY.format(module=module), *args], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and message in done.stderr, done.stderr
+    assert done.stdout == "" and not (tmp_path / "x.wav").exists()  # said before any work

@@ -601,19 +601,42 @@ def test_each_of_several_processes_gets_its_own_ports_stream_share_and_log():
     assert len(ports) == 12 and ports["--grpc-port + 20 (process 2)"] == 8021 and ports["--http-port"] == 8000
 
 
-def test_several_processes_stop_together_when_one_cannot_start(tmp_path):
-    """``--processes 2`` over a missing export: each process says why in one line, the supervisor says which
-    stopped first and returns its status."""
+def test_several_processes_stop_together_when_one_cannot_start(small_artifacts, tmp_path):
+    """``--processes 2`` over an export whose graph was damaged after it was written: each process says why in one
+    line, the supervisor says which stopped first and returns its status."""
+    import shutil
+
     pytest.importorskip("pytriton", reason="hift-serve needs the [serve] extra (nvidia-pytriton)")
+    damaged = tmp_path / "damaged"
+    shutil.copytree(small_artifacts.out, damaged)
+    with open(damaged / "hift_f0_step.onnx", "r+b") as graph:
+        graph.truncate(100)
     while True:
         ports = _free_ports(4)
         if _all_free([p + 10 for p in ports]):
             break
-    done = subprocess.run([sys.executable, "-m", "hift_runtime.server", "--artifacts", str(tmp_path / "missing"),
+    done = subprocess.run([sys.executable, "-m", "hift_runtime.server", "--artifacts", str(damaged), "--device", "cpu",
                            "--processes", "2", *(x for option, port in zip(
                                ("--http-port", "--grpc-port", "--metrics-port", "--state-metrics-port"), ports)
                                for x in (option, str(port)))],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2, done.stderr
-    assert "does not exist" in done.stdout and done.stdout.startswith("[")
+                          cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 1, done.stderr
+    assert "hift_f0_step.onnx" in done.stdout and done.stdout.startswith("["), done.stdout[-2000:]
     assert done.stderr.count("\n") == 1 and "before every process was ready; stopping the others" in done.stderr
+
+
+def test_a_missing_export_is_said_before_a_busy_port(tmp_path, capsys):
+    """What is wrong with the export is said first (a user fixes that before the ports)."""
+    import socket
+
+    pytest.importorskip("pytriton", reason="hift-serve needs the [serve] extra (nvidia-pytriton)")
+    from hift_runtime import server
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        code = server.main(["--artifacts", str(tmp_path / "missing"), "--http-port", str(busy.getsockname()[1])])
+    err = capsys.readouterr().err
+    assert code == 2 and err.strip().splitlines() == [
+        f"hift-serve: error: artifacts folder {str(tmp_path / 'missing')!r} does not exist; run hift-export --out "
+        f"{tmp_path / 'missing'} first"]
