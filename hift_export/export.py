@@ -51,6 +51,11 @@ from .weights_export import export_folded_weights
 # "weights": the folded weights as a weights-only torch file, for the compiled engine (hift_torch.compiled).
 FORMATS = ("onnx", "torchscript", "weights")
 DEFAULT_F0_PRECISION = "fp64"
+# Published vocoder checkpoints by sha256: the export says which one it was given.
+KNOWN_CHECKPOINTS = {
+    "b279d7641eb97ae55b3b540cfba4f953c26492a2df758328a89a4d007ab87a65":
+        "CosyVoice3's hift.pt (FunAudioLLM/Fun-CosyVoice3-0.5B-2512)",
+}
 MIN_OPSET = 18
 
 __all__ = ["ARTIFACT_FILES", "DEFAULT_F0_PRECISION", "ExportError", "ExportResult", "F0_PRECISIONS", "FORMATS",
@@ -109,6 +114,10 @@ def export_artifacts(checkpoint: CheckpointSource | None = None, out: str | os.P
         weights_info = {"source": "checkpoint", "path": desc}
         if isinstance(checkpoint, (str, os.PathLike)) and os.path.isfile(checkpoint):
             weights_info["sha256"] = sha256_file(checkpoint)
+            known = KNOWN_CHECKPOINTS.get(weights_info["sha256"])
+            if known:
+                weights_info["known_as"] = known
+                log(f"[load] recognised: {known}")
     # A fresh instance, loaded once, folded once (on the CPU: the graphs carry CPU-folded FP32 weights).
     hift = load_hift(checkpoint, config=config, spectral="conv", seed=seed, f0_dtype=F0_PRECISIONS[f0_precision])
     if f0_precision == "fp64":
