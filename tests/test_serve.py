@@ -462,6 +462,32 @@ def test_servers_behind_a_sharded_client_keep_each_stream_on_one_server(server, 
         assert max_abs(audio, vocoder.vocode(mels[sid])) <= SERVED_TOLERANCE, sid
 
 
+def test_cosyvoice_tts_through_the_server(server, vocoder):
+    """Upstream CosyVoice3's own tts(stream=True) with the vocoder on hift-serve (HiFT apart from the flow): the audio
+    equals the in-process offline pass of the same mel, and the stream ends with the tts()."""
+    from .test_cosyvoice import UPSTREAM
+
+    if not (UPSTREAM / "run_token2wav.py").is_file():
+        pytest.skip(f"upstream CosyVoice's code not found at {UPSTREAM}")
+    import torch
+
+    sys.path.insert(0, str(UPSTREAM))
+    import run_token2wav as upstream
+
+    from hift_runtime.client import ServerClient
+    from hift_runtime.cosyvoice import use_streaming_vocoder
+
+    mel = _mel(np.random.default_rng(54), 300)
+    client = ServerClient(server["grpc"])
+    model = upstream.CosyVoice3Model(upstream.StubLLM(150), upstream.StubFlow(torch.from_numpy(mel)[None]),
+                                     torch.nn.Identity())
+    use_streaming_vocoder(model, client)
+    audio = torch.cat([out["tts_speech"] for out in model.tts(stream=True)], dim=1)[0].numpy()
+    client.close()
+    assert max_abs(audio, vocoder.vocode(mel)) <= SERVED_TOLERANCE
+    assert _state(server)["hift_open_streams"] == 0
+
+
 def test_server_stops_cleanly_on_sigterm(server):
     process = server["process"]
     process.send_signal(signal.SIGTERM)
@@ -640,3 +666,4 @@ def test_a_missing_export_is_said_before_a_busy_port(tmp_path, capsys):
     assert code == 2 and err.strip().splitlines() == [
         f"hift-serve: error: artifacts folder {str(tmp_path / 'missing')!r} does not exist; run hift-export --out "
         f"{tmp_path / 'missing'} first"]
+
