@@ -84,7 +84,7 @@ def _tool_versions() -> dict[str, str]:
     return versions
 
 
-def _export_names() -> set[str]:
+def export_names() -> set[str]:
     """The names an export writes into its folder (everything else there is the user's)."""
     return set(ARTIFACT_FILES.values()) | {MANIFEST_NAME}
 
@@ -127,7 +127,7 @@ def export_artifacts(checkpoint: CheckpointSource | None = None, out: str | os.P
     contract = step_contract(config, f0_dtype)
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    recover_stale_siblings(out, _export_names(), log=log)
+    recover_stale_siblings(out, export_names(), log=log)
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out} exists and is not a folder; choose another --out")
     staging = sibling(out, "staging")
@@ -165,7 +165,7 @@ def export_artifacts(checkpoint: CheckpointSource | None = None, out: str | os.P
             "versions": _tool_versions(),
         }
         (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
-        swap_into_place(staging, out, _export_names() | listed_files(out))
+        swap_into_place(staging, out, export_names() | listed_files(out))
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)  # an unfinished export; after the swap it holds the old one
         raise

@@ -207,7 +207,7 @@ def test_export_replaces_the_whole_folder(small_artifacts, tmp_path):
     wrote, and an export's start removes the staging folders of an export that was killed."""
     import shutil
 
-    from hift_export.export import _export_names
+    from hift_export.export import export_names
     from hift_export.folder_swap import recover_stale_siblings, swap_into_place
 
     out = tmp_path / "artifacts"
@@ -218,13 +218,13 @@ def test_export_replaces_the_whole_folder(small_artifacts, tmp_path):
     onnx_only = [ARTIFACT_FILES[r] for r in (*ONNX_ROLES, *SLOT_ROLES, GENERATOR_WEIGHTS)] + [MANIFEST_NAME]
     for name in onnx_only:
         shutil.copy(small_artifacts.out / name, staging / name)
-    swap_into_place(staging, out, _export_names())
+    swap_into_place(staging, out, export_names())
     assert sorted(p.name for p in out.iterdir()) == sorted(onnx_only + ["README.md"])
     assert (out / "README.md").read_text() == "mine"
     assert [p.name for p in tmp_path.iterdir()] == ["artifacts"]  # no staging or old folder left
     (tmp_path / ".artifacts.staging-killed").mkdir()
     (tmp_path / ".artifacts.old-killed").mkdir()
-    recover_stale_siblings(out, _export_names())
+    recover_stale_siblings(out, export_names())
     assert [p.name for p in tmp_path.iterdir()] == ["artifacts"]
 
 
