@@ -91,7 +91,7 @@ def main() -> None:
         frames = int(seconds * 50) // 2 * 2
         mel = upstream.load_mel(upstream.DEFAULT_MEL if Path(upstream.DEFAULT_MEL).is_file()
                                 else str(Path(__file__).parent.parent / "examples" / "demo_mel.npy"), frames)
-        mel_t = torch.from_numpy(mel)[None]
+        mel_t = torch.from_numpy(mel)[None].to(next(hift.parameters()).device)  # the flow's output, where HiFT is
         theirs_model = upstream.CosyVoice3Model(upstream.StubLLM(frames // 2), upstream.StubFlow(mel_t), hift)
         ours_model = use_streaming_vocoder(upstream.CosyVoice3Model(
             upstream.StubLLM(frames // 2), upstream.StubFlow(mel_t), torch.nn.Identity()), ours_vocoder)
