@@ -21,8 +21,8 @@ equals one offline ``finalize=True`` pass (see ``hift_model/step.py`` for the st
 * **Noise.** Rows of the :class:`~hift_runtime.noise.NoiseTable` by absolute sample (or, for a backend that holds
   the table on its device, the first row's index).
 * **Finish.** The final step covers the remaining frames with zero look-ahead and emits everything held back. On a
-  backend with a final *window* (``final_window_frames``: the compiled engine on CUDA) it is one call for up to that
-  many frames, so a stream's last push is two calls (F0, final) instead of up to five.
+  backend with a final *window* (its traits' ``final_window``: the compiled engine on CUDA) it is one call for up to
+  that many frames, so a stream's last push is two calls (F0, final) instead of up to five.
 
 Totals: exactly ``480 * frames`` samples. A stream's state is bounded: the caches (fixed size), at most
 ``4 + pending`` mel frames and F0 values, the phase.
