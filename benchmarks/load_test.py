@@ -5,6 +5,7 @@
         [--ks 1,16,64,...] [--configs batched,batched_tf32,per_stream] [--clients threads|asyncio]
         [--max-streams N]   # a ramp past capacity: streams past N are refused (counted), the rest keep time
         [--repeats R]       # each K R times in a row: p95_by_k gives each K's median, range and runs kept
+        [--schedule cosyvoice3]   # two utterances a stream slot in CosyVoice3's chunks (50, 100, then 200 frames)
 
 Per K: push latency p50/p95/p99 (from each push's due time to its return, so falling behind counts), the same
 pushes timed from the call (``push_call_*``: the client's own lateness in starting a push left out, e.g. an event
@@ -196,13 +197,40 @@ def _counted_since(before: dict[str, dict[str, list[float]]] | None, after: dict
         for key, counts in after[group].items()} for group in after}
 
 
+# CosyVoice3's tts(stream=True): a hop of 25 tokens doubling to 100, two mel frames a token; the last chunk the rest.
+COSYVOICE3_CHUNKS = (50, 100, 200)
+FRAME_S = 480 / 24000
+
+
+def stream_plan(schedule: str, frames: int) -> tuple[list[tuple[int, int, bool, float, int]], float]:
+    """The pushes of one stream slot: ``(position, frames, ends an utterance, due offset s, utterance)`` each, and the
+    slot's span in seconds (what its arrivals spread over). ``schedule``: ``"24"``, one utterance of ``frames`` in
+    24-frame chunks, one every 480 ms; ``"cosyvoice3"``, two utterances of ``frames`` back to back in CosyVoice3's
+    chunks, each due when real-time playback of the audio before it (from its utterance's start) needs it."""
+    if schedule == "24":
+        return [(pos, min(CHUNK, frames - pos), pos + CHUNK >= frames, j * PERIOD_S, 0)
+                for j, pos in enumerate(range(0, frames, CHUNK))], PERIOD_S
+    plan = []
+    for utterance in range(2):
+        pos, j = 0, 0
+        while pos < frames:
+            size = min(COSYVOICE3_CHUNKS[min(j, len(COSYVOICE3_CHUNKS) - 1)], frames - pos)
+            plan.append((pos, size, pos + size >= frames, (utterance * frames + pos) * FRAME_S, utterance))
+            pos, j = pos + size, j + 1
+    return plan, frames * FRAME_S
+
+
 def run_k(vocoder, k: int, seconds: float, clients: str = "threads", collections: Any = None,
-          loop_scheduler: bool = False) -> dict[str, Any]:
+          loop_scheduler: bool = False, schedule: str = "24") -> dict[str, Any]:
     """``clients``: ``threads`` (a thread per stream, ``push``) or ``asyncio`` (a task per stream on one event loop,
     no thread per stream: ``apush`` in-process, :class:`~hift_runtime.client.AsyncServerClient` served).
     ``collections``: this process's garbage-collection timer, reported for in-process runs. ``loop_scheduler``:
-    in-process asyncio runs schedule from their event loop's thread (``PushScheduler.attach_loop``)."""
+    in-process asyncio runs schedule from their event loop's thread (``PushScheduler.attach_loop``). ``schedule``:
+    :func:`stream_plan`'s; at ``cosyvoice3`` each utterance's first chunk is its time to first audio (a push returns
+    its whole release: the first audio of a chunk is its last)."""
     frames = int(seconds * 50)
+    plan, span_s = stream_plan(schedule, frames)
+    utterance_firsts: list[float] = []
     before = _counters(vocoder)
     stats = getattr(getattr(vocoder, "scheduler", None), "stats", None)  # the same object over the run
     queued_before = getattr(stats, "queued", 0)
@@ -223,7 +251,9 @@ def run_k(vocoder, k: int, seconds: float, clients: str = "threads", collections
     def record(took: list[float], calls: list[float]) -> None:
         """One stream's push latencies: its first push's apart (the first-chunk latency), the rest by index; and the
         same pushes timed from the call itself (``calls``: without the client's own lateness in starting it)."""
+        starts = [i for i, step in enumerate(plan) if i == 0 or plan[i - 1][2]]
         with lock:
+            utterance_firsts.extend(took[i] for i in starts)
             first.append(took[0])
             lat.extend(took[1:])
             call_lat.extend(calls[1:])
@@ -238,16 +268,17 @@ def run_k(vocoder, k: int, seconds: float, clients: str = "threads", collections
                 errors.append(f"{type(exc).__name__}: {exc}"[:200])
 
     def stream(i: int) -> None:
-        t0 = start + PERIOD_S * i / k  # arrivals spread over one chunk period
+        t0 = start + span_s * i / k  # arrivals spread over one chunk period (24) or one utterance (cosyvoice3)
         try:
             time.sleep(max(0.0, t0 - time.monotonic()))
-            s = vocoder.stream(i) if isinstance(vocoder, _Served) else _LocalStream(vocoder)
             took, calls = [], []
-            for j, pos in enumerate(range(0, frames, CHUNK)):
-                due = t0 + j * PERIOD_S
+            for pos, size, end, offset, _ in plan:
+                if pos == 0:
+                    s = vocoder.stream(i) if isinstance(vocoder, _Served) else _LocalStream(vocoder)
+                due = t0 + offset
                 time.sleep(max(0.0, due - time.monotonic()))
                 called = time.monotonic()
-                s.push(mel[:, pos:pos + CHUNK], end=pos + CHUNK >= frames)  # the last push ends the stream
+                s.push(mel[:, pos:pos + size], end=end)  # an utterance's last push ends its stream
                 took.append(time.monotonic() - due)
                 calls.append(time.monotonic() - called)
             record(took, calls)
@@ -259,22 +290,25 @@ def run_k(vocoder, k: int, seconds: float, clients: str = "threads", collections
         the asyncio gRPC client (``aclients``)."""
         import asyncio
 
-        t0 = start + PERIOD_S * i / k
+        t0 = start + span_s * i / k
         try:
             await asyncio.sleep(max(0.0, t0 - time.monotonic()))
-            if aclients is not None:
-                pool = aclients[vocoder.server_of(i)]
-                remote = pool[i % len(pool)].stream(f"load-{i}-{time.monotonic_ns()}")
-                push = remote.push
-            else:
+
+            def opened() -> Any:
+                if aclients is not None:
+                    pool = aclients[vocoder.server_of(i)]
+                    return pool[i % len(pool)].stream(f"load-{i}-{time.monotonic_ns()}").push
                 s = vocoder.stream()
-                push = lambda chunk, end: s.afinish(chunk) if end else s.apush(chunk)  # noqa: E731
+                return lambda chunk, end: s.afinish(chunk) if end else s.apush(chunk)
+
             took, calls = [], []
-            for j, pos in enumerate(range(0, frames, CHUNK)):
-                due = t0 + j * PERIOD_S
+            for pos, size, end, offset, _ in plan:
+                if pos == 0:
+                    push = opened()
+                due = t0 + offset
                 await asyncio.sleep(max(0.0, due - time.monotonic()))
                 called = time.monotonic()
-                await push(mel[:, pos:pos + CHUNK], end=pos + CHUNK >= frames)
+                await push(mel[:, pos:pos + size], end=end)
                 took.append(time.monotonic() - due)
                 calls.append(time.monotonic() - called)
             record(took, calls)
@@ -326,7 +360,11 @@ def run_k(vocoder, k: int, seconds: float, clients: str = "threads", collections
             "push_call_p95_ms": round(float(np.percentile(c, 95)), 2),
             "first_chunk_p50_ms": round(float(np.percentile(f, 50)), 2),
             "first_chunk_p95_ms": round(float(np.percentile(f, 95)), 2),
-            "throughput_audio_s_per_s": round(len(first) * frames * 480 / 24000 / wall, 1),
+            "throughput_audio_s_per_s": round(len(first) * frames * (2 if schedule == "cosyvoice3" else 1) * FRAME_S
+                                              / wall, 1),
+            **({"utterance_first_audio_p50_ms": round(float(np.percentile(utterance_firsts, 50)) * 1e3, 2),
+                "utterance_first_audio_p95_ms": round(float(np.percentile(utterance_firsts, 95)) * 1e3, 2)}
+               if schedule == "cosyvoice3" and utterance_firsts else {}),
             "errors": len(errors), "first_error": errors[0] if errors else None,
             "refused_streams": refused[0], "streams_served": len(first),
             "gpu_memory_mb": gpu_memory_mb(), "max_batch": getattr(stats, "max_batch", 1),
@@ -428,6 +466,9 @@ def main() -> None:
     p.add_argument("--plot-only", nargs="+", metavar="JSON", help="only draw the PNG beside each recorded result")
     p.add_argument("--combine", metavar="PNG", help="with --plot-only: every result's configs in this one picture")
     p.add_argument("--seconds", type=float, default=6.0, help="utterance length per stream (default 6 s)")
+    p.add_argument("--schedule", choices=["24", "cosyvoice3"], default="24",
+                   help="24 (default): 24-frame chunks at real-time pace; cosyvoice3: two utterances a stream slot "
+                        "in CosyVoice3's chunks (50, 100, then 200 frames), each due when playback needs it")
     p.add_argument("--ks", default="1,16,64,128,256,384,512,768,1024,1536")
     p.add_argument("--repeats", type=int, default=1,
                    help="run each K this many times in a row (on the H200 the p95 at one K spread 182-783 ms from "
@@ -601,7 +642,7 @@ def main() -> None:
                         sys.setswitchinterval(ms / 1e3)
                     if qb is not None and getattr(vocoder, "scheduler", None) is not None:
                         vocoder.scheduler.queue_behind = qb
-                    row = run_k(vocoder, k, args.seconds, args.clients, collections, driver == "loop")
+                    row = run_k(vocoder, k, args.seconds, args.clients, collections, driver == "loop", args.schedule)
                     rows_of[(ms, qb, driver)].append(row)
                     print(key, json.dumps(row), flush=True)
                     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
