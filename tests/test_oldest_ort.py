@@ -1,7 +1,9 @@
-"""The F0 graph loads and runs on the lowest ONNX Runtime the project claims (pyproject: onnxruntime-gpu>=1.20).
+"""Every graph of an export, and of its stock-Triton repository, loads on the lowest ONNX Runtime the project claims
+(pyproject: onnxruntime-gpu>=1.19: 1.19.2 is what the oldest supported Triton, r24.10, bundles), and the F0 step runs
+there as on the current one.
 
 ORT's optimizer fused a Transpose feeding the float64 MatMul into com.microsoft.FusedMatMul, which has no float64
-kernel before ORT 1.26: the graph did not load there. `.ci/run` installs onnxruntime 1.20.1 into a folder of its own
+kernel before ORT 1.26: the graph did not load there. `.ci/run` installs onnxruntime 1.19.2 into a folder of its own
 (never beside onnxruntime-gpu) and names it in HIFT_OLDEST_ORT; elsewhere the run on it is skipped, and what any
 version can check still runs: ORT's own optimized graph holds no contrib op in float64."""
 
@@ -41,7 +43,7 @@ def test_optimized_f0_graph_has_no_float64_contrib_op(small_artifacts, tmp_path)
     assert fused == [], fused
 
 
-@pytest.mark.skipif(not OLDEST_ORT, reason="HIFT_OLDEST_ORT (a folder holding onnxruntime 1.20) is not set")
+@pytest.mark.skipif(not OLDEST_ORT, reason="HIFT_OLDEST_ORT (a folder holding onnxruntime 1.19.2) is not set")
 def test_f0_graph_runs_on_the_oldest_claimed_onnxruntime(small_artifacts, tmp_path):
     path = str(read_manifest(small_artifacts.out).path(F0_STEP))
     mel = (np.random.default_rng(0).standard_normal((2, 80, 27)) - 4).astype(np.float32)
@@ -50,7 +52,33 @@ def test_f0_graph_runs_on_the_oldest_claimed_onnxruntime(small_artifacts, tmp_pa
     done = subprocess.run([sys.executable, "-c", _RUN_F0, path, str(tmp_path / "mel.npy"), str(tmp_path / "f0.npy")],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip().startswith("1.20")
+    assert done.stdout.strip().startswith("1.19")
     session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
     feed = {"mel": mel, **{i.name: np.zeros([2, *i.shape[1:]], np.float64) for i in session.get_inputs()[1:]}}
     np.testing.assert_array_equal(np.load(tmp_path / "f0.npy"), session.run(None, feed)[0])
+
+
+_LOAD_ALL = """
+import sys, onnxruntime as ort
+for path in sys.argv[1:]:
+    ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+print(ort.__version__)
+"""
+
+
+@pytest.mark.skipif(not OLDEST_ORT, reason="HIFT_OLDEST_ORT (a folder holding onnxruntime 1.19.2) is not set")
+def test_every_graph_and_the_triton_models_load_on_the_oldest_claimed_onnxruntime(small_artifacts, tmp_path):
+    from pathlib import Path
+
+    from hift_export.triton_repo import write_triton_repository
+
+    write_triton_repository(read_manifest(small_artifacts.out), tmp_path / "repo", max_batch=8, noise_seed=0,
+                            gpus=None)
+    graphs = sorted(str(p) for p in Path(small_artifacts.out).glob("*.onnx"))
+    graphs += sorted(str(p) for p in (tmp_path / "repo").glob("*/1/model.onnx"))
+    assert len(graphs) == 7
+    env = {**os.environ, "PYTHONPATH": OLDEST_ORT}
+    done = subprocess.run([sys.executable, "-c", _LOAD_ALL, *graphs], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().startswith("1.19")
