@@ -202,17 +202,17 @@ def _state(input_name: str, output_name: str, dtype: str, dims: list[int]) -> st
 def config_pbtxt(model: str, layout: list[dict[str, Any]], *, generator: bool, max_batch: int, in_channels: int,
                  columns: int, max_queue_delay_us: int, idle_us: int, gpus: list[int] | None = None) -> str:
     """The ``config.pbtxt`` of one model (parsed by the tests with Triton's model-config protobuf). ``gpus``: one
-    generator instance on each listed GPU (None: one instance on a GPU Triton picks). Triton's sequence batcher
-    routes every request of a sequence to the instance that took its START, so a stream's implicit state (its
-    caches) stays on one GPU."""
-    on_gpus = f" gpus: {list(gpus)}" if gpus else ""
+    generator instance on each listed GPU (None: one instance, on a GPU where Triton has one, else on the CPU:
+    ``KIND_AUTO`` loads on any Triton). Triton's sequence batcher routes every request of a sequence to the instance
+    that took its START, so a stream's implicit state (its caches) stays on one device."""
+    instances = f"kind: KIND_GPU count: 1 gpus: {list(gpus)}" if gpus else "kind: KIND_AUTO count: 1"
     lines = [f"name: \"{model}\"", "backend: \"onnxruntime\"", f"max_batch_size: {max_batch}"]
     if generator:
         lines += [f"input [{{ name: \"mel\" data_type: TYPE_FP32 dims: [{in_channels}, -1] }}, "
                   f"{{ name: \"f0\" data_type: TYPE_FP32 dims: [-1] }}]",
                   "output [{ name: \"audio_out\" data_type: TYPE_FP32 dims: [-1] }, "
                   f"{{ name: \"{SAMPLES}\" data_type: TYPE_INT64 dims: [1] }}]",
-                  f"instance_group [{{ kind: KIND_GPU count: 1{on_gpus} }}]"]
+                  f"instance_group [{{ {instances} }}]"]
     else:
         lines += [f"input [{{ name: \"mel\" data_type: TYPE_FP32 dims: [{in_channels}, -1] }}]",
                   "output [{ name: \"f0\" data_type: TYPE_FP32 dims: [-1] }]",
