@@ -97,8 +97,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .server_processes import ports_of, serve_processes
 
     try:  # the export's errors first, in one line, before the ports or Triton
-        read_manifest(args.artifacts, verify=None)
-    except (ArtifactError, OSError, ValueError) as exc:
+        in_channels = int(read_manifest(args.artifacts, verify=None).config["in_channels"])
+    except (ArtifactError, OSError, KeyError, ValueError) as exc:
         print(f"hift-serve: error: {exc}", file=sys.stderr)
         return 2
     busy = busy_port(args.host, ports_of(args, args.processes))  # one process: its four ports as given
@@ -107,27 +107,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.processes > 1:
         return serve_processes(args, argv)
-    return serve_python_backend(args, argv, PYTHON_BACKEND_OPENER)
+    return serve_python_backend(args, argv, in_channels, PYTHON_BACKEND_OPENER)
 
 
-def serve_python_backend(args: argparse.Namespace, argv: list[str], opener: str | None = None) -> int:
+def serve_python_backend(args: argparse.Namespace, argv: list[str], in_channels: int,
+                         opener: str | None = None) -> int:
     """``tritonserver`` over a generated repository whose Python-backend model runs the runtime
     (:mod:`.triton_python`); this process supervises it: the ready line once the model answers ready, SIGTERM/Ctrl-C
     passed on, a dead model process noticed, the exit status."""
     import shutil
 
-    from .manifest import read_manifest
     from .supervision import release_folder, stop_processes, stop_signals_recorded, temp_folder
     from .triton_python import OPENER, launch, load_failure
 
     opener = opener or OPENER
-
-    try:  # the export's errors said here, in one line, before Triton starts
-        manifest = read_manifest(args.artifacts, verify=None)
-        in_channels = int(manifest.config["in_channels"])
-    except (ArtifactError, OSError, KeyError, ValueError) as exc:
-        print(f"hift-serve: error: {exc}", file=sys.stderr)
-        return 2
     folder = temp_folder()
     log_file = Path(args.triton_log or folder / "triton.log")
     failed_log: Path | None = None
