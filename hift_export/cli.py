@@ -7,7 +7,9 @@ import sys
 from collections.abc import Sequence
 
 from hift_model.config import DEFAULT_SEED
-from hift_runtime.argparsing import OneLineArgumentParser, gpu_ids
+from hift_runtime.argparsing import OneLineArgumentParser, gpu_ids, positive_int
+
+from .triton_repo import DEFAULT_MAX_STREAMS
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -27,14 +29,17 @@ def _parser() -> argparse.ArgumentParser:
                         "upstream's float64 F0 exactly (default); fp32 is ~20%% faster but its length-dependent "
                         "rounding makes streamed audio differ from one pass by ~1e-3 (50 dB)")
     p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="seed of the random default weights")
-    p.add_argument("--triton-repo", help="also write a Triton model repository (onnxruntime backend, sequence "
-                                         "batching, caches as implicit state) into this folder")
-    p.add_argument("--triton-max-batch", type=int, default=64, help="max_batch_size of the Triton models (default 64)")
+    p.add_argument("--triton-repo", help="also write a model repository for a stock Triton server (onnxruntime "
+                                         "backend; one model, hift_vocoder, a Triton sequence per stream) into this "
+                                         "folder")
+    p.add_argument("--triton-max-streams", type=positive_int, default=DEFAULT_MAX_STREAMS,
+                   help=f"streams the repository holds at once: more wait for a free one at most the START timeout, "
+                        f"then are refused; set it to what the host keeps in real time (default {DEFAULT_MAX_STREAMS})")
     p.add_argument("--triton-gpus", type=gpu_ids, default=None,
-                   help="GPU ids the Triton generator model gets one instance on, e.g. 0,1 (default: one instance, "
-                        "on a GPU Triton picks); a sequence stays on the instance that took its start")
+                   help="GPU ids the Triton model gets one instance on, e.g. 0,1 (default: one instance, on a GPU "
+                        "where Triton has one, else on the CPU); a stream stays on the instance that took its start")
     p.add_argument("--noise-seed", type=int, default=0,
-                   help="seed of the noise the Triton generator model computes in-graph (default 0, as the runtime's)")
+                   help="seed of the noise the Triton model computes in-graph (default 0, as the runtime's)")
     p.add_argument("--reduced", action="store_true", help=argparse.SUPPRESS)  # narrow test config
     return p
 
@@ -69,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .triton_repo import write_triton_repository
 
             write_triton_repository(read_manifest(args.out), Path(args.triton_repo),
-                                    max_batch=args.triton_max_batch, noise_seed=args.noise_seed,
+                                    max_streams=args.triton_max_streams, noise_seed=args.noise_seed,
                                     gpus=args.triton_gpus)
     except (CheckpointError, ExportError, ValueError, OSError) as exc:
         print(f"hift-export: error: {exc}", file=sys.stderr)

@@ -22,3 +22,14 @@ def gpu_ids(text: str) -> list[int]:
     if not ids or min(ids) < 0:
         raise argparse.ArgumentTypeError(f"{text!r}: expected CUDA device ids such as 0,1")
     return ids
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type`` for a count of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number of at least 1") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number of at least 1")
+    return value

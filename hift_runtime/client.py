@@ -7,11 +7,19 @@ Every chunk carries its offset in the stream (the wire's idempotency key), so a 
 connection is sent again, up to ``retries`` times: the server applies each chunk once and answers a resend with the
 audio it already made. :class:`AsyncServerClient` does the same for asyncio code (gRPC), many streams as tasks of one
 loop.
+
+Both clients stream through either server: ``hift-serve``, or a stock Triton serving the repository that
+``hift-export --triton-repo`` writes (one model ``hift_vocoder``, a Triton sequence per stream, every cache implicit
+state). They tell them apart from the model's metadata (hift-serve's model has a ``stream_id`` input) and config
+(the repository's ``hift_protocol`` parameter): same chunking, output and messages. On a stock Triton a start waits
+at most the repository's START timeout for a free stream slot and is then refused as :class:`ServerOverloaded`; a
+chunk is not resent there (Triton has no idempotency key: a resend would be applied twice).
 """
 
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,8 +37,79 @@ def _parse_url(url: str) -> tuple[str, str]:
     return "grpc", url
 
 
+HIFT_SERVE, TRITON_SEQUENCE = "hift-serve", "triton-sequence"
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What a client needs of the model it streams through (read from its metadata and config)."""
+
+    kind: str  # HIFT_SERVE or TRITON_SEQUENCE
+    in_channels: int
+    sample_rate: int | None = None  # hift-serve's comes with each reply
+    max_chunk_frames: int | None = None
+    max_streams: int | None = None
+    start_timeout_us: int | None = None
+
+
+def served_model(url: str, name: str, metadata: dict[str, Any], config: Any) -> ServedModel:
+    """The model's kind and constants from ``get_model_metadata`` and ``get_model_config`` (JSON forms; ``config``
+    may be a callable that fetches it: read only for a stock-Triton model)."""
+    inputs = {i["name"]: i for i in metadata.get("inputs", [])}
+    if wire.MEL not in inputs:
+        raise ServerError(f"model {name!r} at {url} has no {wire.MEL!r} input: not a hift-serve or "
+                          f"hift-export --triton-repo model")
+    channels = int(inputs[wire.MEL]["shape"][-2])
+    if wire.STREAM_ID in inputs:
+        return ServedModel(HIFT_SERVE, channels)
+    config = config() if callable(config) else config
+    config = config.get("config", config)  # gRPC's JSON wraps it
+    params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
+    if params.get(wire.PARAM_PROTOCOL) != wire.SEQUENCE_PROTOCOL:
+        raise ServerError(f"model {name!r} at {url} speaks neither hift-serve's protocol nor "
+                          f"{wire.SEQUENCE_PROTOCOL!r} (its {wire.PARAM_PROTOCOL!r} parameter is "
+                          f"{params.get(wire.PARAM_PROTOCOL)!r}); export the repository again with this version")
+    return ServedModel(TRITON_SEQUENCE, channels, int(params[wire.PARAM_SAMPLE_RATE]),
+                       int(params[wire.PARAM_MAX_CHUNK_FRAMES]), int(params[wire.PARAM_MAX_STREAMS]),
+                       int(params[wire.PARAM_START_TIMEOUT_US]))
+
+
+def sequence_request(tc: Any, model: ServedModel, mel: np.ndarray) -> list[Any]:
+    """A chunk's request to a stock-Triton model: ``mel [1, C, T]`` alone (START and END travel as Triton's
+    sequence flags); a malformed or overlong chunk is refused here."""
+    mel = np.ascontiguousarray(mel, np.float32)
+    if mel.ndim != 2 or mel.shape[0] != model.in_channels or mel.shape[1] < 1:
+        raise ServerError(f"a chunk must be [{model.in_channels}, T] with T >= 1 frames, got {tuple(mel.shape)}")
+    if model.max_chunk_frames is not None and mel.shape[1] > model.max_chunk_frames:
+        raise ServerError(f"the chunk has {mel.shape[1]} frames, more than this server takes in one request "
+                          f"({model.max_chunk_frames}); send it as several chunks")
+    tensor = tc.InferInput(wire.MEL, [1, *mel.shape], "FP32")
+    tensor.set_data_from_numpy(mel[None])
+    return [tensor]
+
+
+def sequence_arguments(model: ServedModel, stream_id: str, start: bool, end: bool) -> dict[str, Any]:
+    """The sequence flags of a chunk; a start waits at most the repository's START timeout for a free slot."""
+    args: dict[str, Any] = {"sequence_id": stream_id, "sequence_start": start, "sequence_end": end}
+    if start and model.start_timeout_us:
+        args["timeout"] = model.start_timeout_us
+    return args
+
+
+def sequence_failure(exc: BaseException, url: str, model: ServedModel, start: bool) -> ServerError:
+    """A stock Triton's refusal as the client raises it: a START whose wait for a slot ran out is
+    :class:`ServerOverloaded` (nothing opened), anything else a :class:`ServerError` with Triton's message."""
+    message = _short(exc)
+    if start and wire.START_EXPIRED in message:
+        return ServerOverloaded(f"{wire.OVERLOADED}the server at {url} holds the {model.max_streams} streams its "
+                                f"repository allows and none ended within {model.start_timeout_us / 1e6:g} s; "
+                                f"start the stream later or on another server")
+    return ServerError(f"{url}: {message}")
+
+
 class ServerClient:
-    """A connection to a ``hift-serve`` model; checks at once that the server and the model are ready."""
+    """A connection to a ``hift-serve`` model or a stock Triton's ``hift_vocoder``; checks at once that the server
+    and the model are ready."""
 
     def __init__(self, url: str, model_name: str = wire.MODEL_NAME, timeout_s: float = 60.0, retries: int = 2) -> None:
         self.url = url
@@ -54,20 +133,19 @@ class ServerClient:
                               f"running there?") from None
         if not ready:
             raise ServerError(f"the server at {url} has no ready model {model_name!r}")
-        self.in_channels = self._mel_channels()
+        self.model = self._served_model()
+        self.in_channels = self.model.in_channels
 
-    def _mel_channels(self) -> int:
+    def _served_model(self) -> ServedModel:
+        json = {"as_json": True} if self.protocol == "grpc" else {}
         try:
-            meta = self._client.get_model_metadata(self.model_name, **self._timeout())
+            meta = self._client.get_model_metadata(self.model_name, **json, **self._timeout())
+            return served_model(self.url, self.model_name, meta,
+                                lambda: self._client.get_model_config(self.model_name, **json, **self._timeout()))
+        except ServerError:
+            raise
         except Exception as exc:  # noqa: BLE001 - a transport or Triton error
             raise ServerError(f"{self.url}: cannot read the model's metadata: {_short(exc)}") from None
-        inputs = meta.inputs if hasattr(meta, "inputs") else meta["inputs"]
-        for entry in inputs:
-            name = entry.name if hasattr(entry, "name") else entry["name"]
-            if name == wire.MEL:
-                shape = list(entry.shape if hasattr(entry, "shape") else entry["shape"])
-                return int(shape[-2])
-        raise ServerError(f"model {self.model_name!r} at {self.url} has no {wire.MEL!r} input: not a hift-serve model")
 
     def stream(self, stream_id: str | None = None) -> "RemoteStream":
         return RemoteStream(self, stream_id or uuid.uuid4().hex)
@@ -76,7 +154,15 @@ class ServerClient:
               offset: int | None = None) -> tuple[np.ndarray, int]:
         """One chunk: ``(audio, sample_rate)``; raises :class:`ServerError` with the server's message if refused. With
         ``offset`` (the stream's frames sent before this chunk) a transport failure is retried up to ``retries``
-        times: the server applies the chunk once."""
+        times: the server applies the chunk once (hift-serve; a stock Triton's chunk is sent once)."""
+        if self.model.kind == TRITON_SEQUENCE:
+            request = sequence_request(self._tc, self.model, mel)
+            try:
+                result = self._client.infer(self.model_name, request, headers={wire.STREAM_HEADER: stream_id},
+                                            **sequence_arguments(self.model, stream_id, start, end), **self._timeout())
+            except Exception as exc:  # noqa: BLE001 - a transport or Triton error
+                raise sequence_failure(exc, self.url, self.model, start) from None
+            return result.as_numpy(wire.AUDIO).reshape(-1).copy(), int(self.model.sample_rate or 0)
         inputs = request_inputs(self._tc, self.in_channels, stream_id, mel, start, end, offset)
         for _ in range(1 + (self.retries if offset is not None else 0)):
             try:
@@ -245,16 +331,36 @@ class AsyncServerClient:
         self.url, self.model_name, self.timeout_s, self.retries, self._tc = url, model_name, timeout_s, retries, tc
         self._client = aio.InferenceServerClient(address)
         self.in_channels = in_channels  # read from the model's metadata at the first chunk when not given
+        self.model: ServedModel | None = None  # likewise
+
+    async def _served_model(self) -> ServedModel:
+        if self.model is None:
+            try:
+                meta = await self._client.get_model_metadata(self.model_name, as_json=True)
+                config = (await self._client.get_model_config(self.model_name, as_json=True)
+                          if not any(i["name"] == wire.STREAM_ID for i in meta.get("inputs", [])) else {})
+            except Exception as exc:  # noqa: BLE001 - a transport or Triton error
+                raise ServerError(f"{self.url}: cannot read the model's metadata: {_short(exc)}") from None
+            self.model = served_model(self.url, self.model_name, meta, config)
+            self.in_channels = self.model.in_channels
+        return self.model
 
     async def infer(self, stream_id: str, mel: np.ndarray, start: bool, end: bool,
                     offset: int | None = None) -> tuple[np.ndarray, int]:
         """One chunk, as :meth:`ServerClient.infer` (retried the same way)."""
+        model = await self._served_model()
+        if model.kind == TRITON_SEQUENCE:
+            request = sequence_request(self._tc, model, mel)
+            try:
+                result = await self._client.infer(self.model_name, request, headers={wire.STREAM_HEADER: stream_id},
+                                                  client_timeout=self.timeout_s,
+                                                  **sequence_arguments(model, stream_id, start, end))
+            except Exception as exc:  # noqa: BLE001 - a transport or Triton error
+                raise sequence_failure(exc, self.url, model, start) from None
+            return result.as_numpy(wire.AUDIO).reshape(-1).copy(), int(model.sample_rate or 0)
         for _ in range(1 + (self.retries if offset is not None else 0)):
             try:
-                if self.in_channels is None:
-                    meta = await self._client.get_model_metadata(self.model_name, as_json=True)
-                    self.in_channels = next(int(i["shape"][-2]) for i in meta["inputs"] if i["name"] == wire.MEL)
-                inputs = request_inputs(self._tc, self.in_channels, stream_id, mel, start, end, offset)
+                inputs = request_inputs(self._tc, model.in_channels, stream_id, mel, start, end, offset)
                 result = await self._client.infer(self.model_name, inputs, headers={wire.STREAM_HEADER: stream_id},
                                                   client_timeout=self.timeout_s)
                 break

@@ -41,6 +41,16 @@ DEFAULT_HTTP_PORT, DEFAULT_GRPC_PORT, DEFAULT_METRICS_PORT = 8000, 8001, 8002
 DEFAULT_STATE_METRICS_PORT = 8003  # hift-serve's own metrics, beside Triton's (server_metrics.py)
 
 
+# The stock-Triton repository (``hift-export --triton-repo``): one model of this name too, a Triton sequence per
+# stream; its config's parameters tell the clients which protocol it speaks and the constants they need.
+SEQUENCE_PROTOCOL = "hift-sequence-1"
+PARAM_PROTOCOL, PARAM_SAMPLE_RATE, PARAM_MAX_CHUNK_FRAMES = "hift_protocol", "sample_rate", "max_chunk_frames"
+PARAM_MAX_STREAMS, PARAM_START_TIMEOUT_US = "max_streams", "start_timeout_us"
+SEQUENCE_END = "end"  # its CONTROL_SEQUENCE_END input
+# Triton's answer to a START that waited in the sequence batcher's backlog for its whole request timeout.
+START_EXPIRED = "timeout of the corresponding sequence has been expired"
+
+
 # The start of a refusal for want of room (``OverloadError`` in the server): nothing was opened.
 OVERLOADED = "overloaded: "
 

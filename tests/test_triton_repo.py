@@ -1,7 +1,8 @@
-"""The Triton model repository (``hift-export --triton-repo``): every config.pbtxt parses with Triton's model-config
-protobuf, and the ONNX models, driven with ONNX Runtime exactly as Triton's sequence batcher drives them (zero state
-at START, each state output fed back as the next input, START and END flags, interleaved sequences in one batch),
-give the offline pass. No tritonserver with the onnxruntime backend runs here, so this is the whole check."""
+"""The stock-Triton repository (``hift-export --triton-repo``) without a server: its config.pbtxt parses with Triton's
+model-config protobuf and matches the manifest, and its graph, driven with ONNX Runtime as Triton's sequence batcher
+drives it (zero state at START, each state output fed back as the next request's input, END on the last request),
+releases for every chunk what ``VocoderStream.push()`` / ``finish()`` release. On a real tritonserver:
+``test_real_triton.py``."""
 
 from __future__ import annotations
 
@@ -11,21 +12,16 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from hift_runtime import open_vocoder
-from hift_runtime.batching import PushScheduler
-from hift_runtime.manifest import DTYPE_NAMES, read_manifest
-from hift_runtime.engine import EngineTraits
-from hift_runtime.streaming import StreamingVocoder
+from hift_runtime import open_vocoder, wire
+from hift_runtime.manifest import read_manifest
 
-from hift_export.targets import STEP_TOLERANCE
-
-from .conftest import max_abs, run_in_threads
-from .test_streaming import random_mel, stream_all
+from .conftest import max_abs
+from .test_streaming import random_mel
 
 # The repository computes what the runtime computes (the same step graphs; its noise hash is exact integer
 # arithmetic): the offline pass's own tolerance for streamed audio.
 REPO_TOLERANCE = 1e-6
-STATE_DTYPES = {triton: np.dtype(name).type for name, (_, triton) in DTYPE_NAMES.items()}  # the one table, read back
+MAX_CHUNK = 64
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +29,8 @@ def repo(small_artifacts, tmp_path_factory):
     from hift_export.triton_repo import write_triton_repository
 
     out = tmp_path_factory.mktemp("triton") / "repo"
-    write_triton_repository(read_manifest(small_artifacts.out), out, max_batch=8, log=lambda _: None)
+    write_triton_repository(read_manifest(small_artifacts.out), out, max_streams=4, max_chunk_frames=MAX_CHUNK,
+                            log=lambda _: None)
     return out
 
 
@@ -51,239 +48,120 @@ def _config(path: Path):
     return config
 
 
-def test_configs_parse_and_match_the_manifest(repo, small_artifacts):
-    manifest = read_manifest(small_artifacts.out)
-    step = manifest.step
-    gen, f0 = _config(repo / "hift_generator" / "config.pbtxt"), _config(repo / "hift_f0" / "config.pbtxt")
-    assert gen.backend == f0.backend == "onnxruntime" and gen.max_batch_size == 8
-    assert gen.instance_group[0].kind == gen.instance_group[0].KIND_AUTO  # loads on a CPU-only Triton too
-    assert f0.instance_group[0].kind == f0.instance_group[0].KIND_CPU
-    assert gen.sequence_batching.HasField("oldest") and f0.sequence_batching.HasField("oldest")
-    controls = {c.name: c.control[0].kind for c in gen.sequence_batching.control_input}
-    kinds = gen.sequence_batching.control_input[0].control[0]
-    assert controls == {"first": kinds.CONTROL_SEQUENCE_START, "end": kinds.CONTROL_SEQUENCE_END}
-    # Every cache an implicit state, named, shaped and typed as the manifest's layout, starting at zeros.
-    states = {s.input_name: s for s in gen.sequence_batching.state}
-    for entry in step["generator_caches"]:
-        state = states["cache." + entry["name"]]
-        assert state.output_name == "next." + entry["name"] and list(state.dims) == entry["shape"]
-        assert state.initial_state[0].zero_data and state.data_type == _pb().TYPE_FP32
-    assert set(states) == {"cache." + e["name"] for e in step["generator_caches"]} | {"phase_in", "position"}
-    f0_states = {s.input_name: s for s in f0.sequence_batching.state}
-    assert {k: list(v.dims) for k, v in f0_states.items()} == {"cache." + e["name"]: e["shape"]
-                                                               for e in step["f0_caches"]}
-    # The graphs take exactly the declared inputs, states and controls.
-    for name, config in (("hift_generator", gen), ("hift_f0", f0)):
-        session = ort.InferenceSession(str(repo / name / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
-        declared = ({i.name for i in config.input} | {s.input_name for s in config.sequence_batching.state}
-                    | {c.name for c in config.sequence_batching.control_input})
-        assert {i.name for i in session.get_inputs()} == declared, name
-        outputs = {o.name for o in session.get_outputs()}
-        assert {o.name for o in config.output} | {s.output_name for s in config.sequence_batching.state} == outputs
-
-
-class _Sequence:
-    """One Triton sequence's implicit state, as the server keeps it between requests."""
-
-    def __init__(self) -> None:
-        self.state: dict[str, dict[str, np.ndarray]] = {"f0": {}, "generator": {}}
-
-
-class SequenceBatcherEmulator:
-    """The runtime's backend interface over the repository's two models, requests batched and states kept the way
-    Triton's sequence batcher does: a state starts at zeros with START, each output is the next request's input.
-
-    It also keeps Triton's sequence slots: a START takes one of the model's ``max_candidate_sequences`` (refused here
-    when none is free, where Triton would make it wait up to the idle timeout), and the client protocol frees them:
-    the stream's last request to *each* model carries END (emulated: a stream's last F0 request is the one whose 3
-    look-ahead frames are the zeros of the utterance's end, its last generator request the final step; a real client
-    knows its last requests). A START that fails inside the model still opens its sequence (Triton does
-    that); the client recovers by sending START again, which the runtime's bookkeeping does by itself (a failed push
-    changes nothing, so its retry is again the stream's first request)."""
-
-    name = "triton-repo(emulated)"
-    traits = EngineTraits()
-
-    def warmup(self, step_sizes, progress=None) -> None:
-        pass
-
-    def stream_capacity(self) -> int:
-        return min(self.candidates.values())
+class SequenceDriver:
+    """The model run with ONNX Runtime as Triton's sequence batcher runs it for one sequence."""
 
     def __init__(self, repo: Path) -> None:
-        self.sessions = {kind: ort.InferenceSession(str(repo / model / "1" / "model.onnx"),
-                                                    providers=["CPUExecutionProvider"])
-                         for kind, model in (("f0", "hift_f0"), ("generator", "hift_generator"))}
-        self.states = {kind: {s.input_name: s for s in _config(repo / model / "config.pbtxt").sequence_batching.state}
-                       for kind, model in (("f0", "hift_f0"), ("generator", "hift_generator"))}
-        self.candidates = {kind: _config(repo / model / "config.pbtxt").sequence_batching.oldest.max_candidate_sequences
-                           for kind, model in (("f0", "hift_f0"), ("generator", "hift_generator"))}
-        self.open: dict[str, set[int]] = {"f0": set(), "generator": set()}
-        self.fail_next_start: str | None = None  # a model whose next START request fails inside ONNX Runtime
-        self.requests = 0
+        config = _config(repo / wire.MODEL_NAME / "config.pbtxt")
+        self.session = ort.InferenceSession(str(repo / wire.MODEL_NAME / "1" / "model.onnx"),
+                                            providers=["CPUExecutionProvider"])
+        self.names = [o.name for o in self.session.get_outputs()]
+        dtypes = {_pb().TYPE_FP32: np.float32, _pb().TYPE_FP64: np.float64, _pb().TYPE_INT64: np.int64}
+        self.states = [(s.input_name, s.output_name, dtypes[s.data_type], list(s.dims))
+                       for s in config.sequence_batching.state]
+        self.state: dict[str, np.ndarray] = {}
 
-    def new_caches(self, kind: str, batch: int = 1):
-        return _Sequence()
-
-    def _run(self, kind, feed, sequences, start):
-        for seq, fresh in zip(sequences, start):
-            if fresh and id(seq) not in self.open[kind]:
-                if len(self.open[kind]) >= self.candidates[kind]:
-                    raise RuntimeError(f"{kind}: every sequence slot is held; a START would wait for the idle timeout")
-                self.open[kind].add(id(seq))
-        if self.fail_next_start == kind and any(start):
-            self.fail_next_start = None
-            raise RuntimeError(f"{kind}: injected failure of a START request (its sequence is open now)")
-        for name, state in self.states[kind].items():
-            rows = []
-            for seq, fresh in zip(sequences, start):
-                value = None if fresh else seq.state[kind].get(name)
-                if value is None:  # a sequence's first request: the initial state (zeros)
-                    value = np.zeros((1, *state.dims), STATE_DTYPES[_pb().DataType.Name(state.data_type)])
-                rows.append(value)
-            feed[name] = np.concatenate(rows)
-        session = self.sessions[kind]
-        names = [o.name for o in session.get_outputs()]
-        out = dict(zip(names, session.run(names, feed)))
-        for i, seq in enumerate(sequences):
-            seq.state[kind] = {name: out[state.output_name][i:i + 1] for name, state in self.states[kind].items()}
-        self.requests += len(sequences)
-        return out
-
-    def f0_step(self, mel, sequences):
-        rows = sequences if isinstance(sequences, list) else [sequences]  # the batcher passes a list
-        out = self._run("f0", {"mel": mel}, rows, [not s.state["f0"] for s in rows])
-        for i, seq in enumerate(rows):
-            if not mel[i, :, -3:].any():  # the zero look-ahead of the utterance's end: this request carried END
-                self.open["f0"].discard(id(seq))
-        return out["f0"], sequences
-
-    def generator_step(self, mel, f0, noise, phase_in, first, sequences, final):
-        handles = sequences
-        sequences = sequences if isinstance(sequences, list) else [sequences]
-        rows = mel.shape[0]
-        if final:  # a final request carries zeros where a step has look-ahead (the model reads the first c frames)
-            mel = np.concatenate([mel, np.zeros((rows, mel.shape[1], 4), np.float32)], axis=2)
-            f0 = np.concatenate([f0, np.zeros((rows, 1), np.float32)], axis=1)
-        frames = f0.shape[1] - 1
-        out = self._run("generator", {"mel": mel, "f0": f0, "first": first, "end": np.full((rows, 1), final)},
-                        sequences, list(first[:, 0]))
-        # The runtime's contract: the step's audio including the frame before the utterance on a first step.
-        if final:  # the final step carried END: the sequence's slot is free
-            for seq in sequences:
-                self.open["generator"].discard(id(seq))
-        width = 480 * (frames + (1 if final else 0))
-        audio = np.zeros((rows, width), np.float32)
-        for i in range(rows):
-            got = out["audio_out"][i, :int(out["samples"][i, 0])]
-            audio[i, width - got.shape[0]:] = got
-        return audio, out["phase_state"], None if final else handles
+    def request(self, mel: np.ndarray, start: bool, end: bool) -> np.ndarray:
+        if start:
+            self.state = {name: np.zeros([1, *dims], dtype) for name, _, dtype, dims in self.states}
+        out = dict(zip(self.names, self.session.run(None, {
+            wire.MEL: mel[None].astype(np.float32), wire.SEQUENCE_END: np.array([[end]]), **self.state})))
+        self.state = {name: out[output] for name, output, _, _ in self.states}
+        return out[wire.AUDIO][0]
 
 
-def test_repository_driven_like_the_sequence_batcher_equals_offline(repo, small_artifacts):
-    offline = open_vocoder(small_artifacts.out, device="cpu")
-    emulator = SequenceBatcherEmulator(repo)
-    vocoder = StreamingVocoder(emulator, offline.constants, step_sizes=(24, 16, 8, 4, 2, 1))
-    vocoder.scheduler = PushScheduler(emulator, max_batch=8, max_wait_s=0.01,
-                                      pushes_in_progress=lambda: vocoder.pushes_in_progress)
-    rng = np.random.default_rng(12)
-    mels = [random_mel(int(rng.integers(3, 90)), seed=40 + i) for i in range(6)]
-    schedules = [[int(x) for x in rng.integers(1, 30, 6)] + [500] for _ in range(6)]
-    results = run_in_threads(lambda i: np.concatenate(stream_all(vocoder, mels[i], schedules[i])[0]), range(6))
-    for mel, audio in zip(mels, results):
-        assert max_abs(audio, offline.vocode(mel)) <= REPO_TOLERANCE
-    stats = vocoder.scheduler.stats
-    assert stats.max_batch > 1  # interleaved sequences shared requests' batches
-    assert emulator.open == {"f0": set(), "generator": set()}  # every sequence was ended on both models
+def test_config_parses_and_matches_the_manifest(repo, small_artifacts):
+    manifest = read_manifest(small_artifacts.out)
+    step = manifest.step
+    config = _config(repo / wire.MODEL_NAME / "config.pbtxt")
+    assert config.backend == "onnxruntime" and config.max_batch_size == 1
+    assert config.instance_group[0].kind == config.instance_group[0].KIND_AUTO  # loads on a CPU-only Triton too
+    batching = config.sequence_batching
+    assert batching.HasField("oldest") and batching.oldest.max_candidate_sequences == 4
+    assert batching.max_sequence_idle_microseconds > int(config.parameters[wire.PARAM_START_TIMEOUT_US].string_value)
+    control = batching.control_input[0]
+    assert len(batching.control_input) == 1 and control.name == wire.SEQUENCE_END
+    assert control.control[0].kind == control.control[0].CONTROL_SEQUENCE_END
+    params = {k: v.string_value for k, v in config.parameters.items()}
+    assert params == {wire.PARAM_PROTOCOL: wire.SEQUENCE_PROTOCOL, wire.PARAM_SAMPLE_RATE: "24000",
+                      wire.PARAM_MAX_CHUNK_FRAMES: str(MAX_CHUNK), wire.PARAM_MAX_STREAMS: "4",
+                      wire.PARAM_START_TIMEOUT_US: params[wire.PARAM_START_TIMEOUT_US]}
+    # Every cache an implicit state, named, shaped and typed as the manifest's layout, starting at zeros.
+    states = {s.input_name: s for s in batching.state}
+    types = {"float32": _pb().TYPE_FP32, "float64": _pb().TYPE_FP64}
+    for entry in step["generator_caches"] + step["f0_caches"]:
+        state = states["cache." + entry["name"]]
+        assert state.output_name == "next." + entry["name"] and list(state.dims) == entry["shape"]
+        assert state.initial_state[0].zero_data and state.data_type == types[entry["dtype"]]
+    # The graph takes exactly the declared input, states and control, and returns the audio and the states.
+    session = ort.InferenceSession(str(repo / wire.MODEL_NAME / "1" / "model.onnx"),
+                                   providers=["CPUExecutionProvider"])
+    assert {i.name for i in session.get_inputs()} == {wire.MEL, wire.SEQUENCE_END} | set(states)
+    assert {o.name for o in session.get_outputs()} == {wire.AUDIO} | {s.output_name for s in batching.state}
 
 
-def test_the_client_protocol_ends_both_sequences_and_recovers_from_a_failed_start(repo, small_artifacts):
-    from hift_export.triton_repo import SEQUENCE_IDLE_US
-
-    for model in ("hift_f0", "hift_generator"):  # an un-ended sequence cannot hold a slot for a minute
-        assert _config(repo / model / "config.pbtxt").sequence_batching.max_sequence_idle_microseconds == \
-            SEQUENCE_IDLE_US <= 10_000_000
-    offline = open_vocoder(small_artifacts.out, device="cpu")
-    emulator = SequenceBatcherEmulator(repo)
-    emulator.candidates = {"f0": 2, "generator": 2}
-    vocoder = StreamingVocoder(emulator, offline.constants, step_sizes=(24, 16, 8, 4, 2, 1))
-    for i in range(5):  # more streams than slots, one after another: each frees its slots at its end
-        mel = random_mel(20 + 7 * i, seed=60 + i)
-        stream = vocoder.stream()
-        if i == 1:  # the stream's very first request fails: nothing advanced anywhere, START again recovers
-            emulator.fail_next_start = "f0"
-            with pytest.raises(RuntimeError, match="injected failure of a START"):
-                stream.push(mel[:, :16])
-            assert stream.frames_in == 0
-        audio = np.concatenate([stream.push(mel[:, :16]), stream.finish(mel[:, 16:])])  # the retry STARTs again
-        assert max_abs(audio, offline.vocode(mel)) <= REPO_TOLERANCE
-    assert emulator.open == {"f0": set(), "generator": set()}
+@pytest.mark.parametrize("schedule", [[1] * 12 + [30], [3, 1, 40], [8], [2, 2, 1, 59, 64, 17], [24, 24, 24, 8],
+                                      [4, 0, 5, 50]], ids=str)
+def test_each_request_releases_what_the_stream_releases(repo, small_artifacts, schedule):
+    """Ragged chunks (1-frame ones, a first chunk shorter than the held-back frames, a stream of one request, an empty
+    chunk): each request's audio is what ``push`` / ``finish`` return for the same chunk, and the whole equals the
+    offline pass."""
+    vocoder = open_vocoder(small_artifacts.out, device="cpu")
+    mel = random_mel(sum(schedule), seed=len(schedule))
+    driver, stream, pos = SequenceDriver(repo), vocoder.stream(), 0
+    served = []
+    for k, size in enumerate(schedule):
+        chunk, last = mel[:, pos:pos + size], k == len(schedule) - 1
+        pos += size
+        served.append(driver.request(chunk, start=k == 0, end=last))
+        local = stream.finish(chunk) if last else stream.push(chunk)
+        assert served[-1].shape == local.shape and max_abs(served[-1], local) <= REPO_TOLERANCE, k
+    assert max_abs(np.concatenate(served), vocoder.vocode(mel)) <= REPO_TOLERANCE
 
 
-def test_in_graph_noise_equals_the_runtime_table(repo):
-    """The generator model's noise rows (counter-based, from the position state) are the runtime's NoiseTable rows,
+def test_a_chunk_over_the_maximum_is_refused_by_the_graph(repo):
+    driver = SequenceDriver(repo)
+    with pytest.raises(Exception, match=f"refused: a chunk holds more than {MAX_CHUNK} frames"):
+        driver.request(random_mel(MAX_CHUNK + 1), start=True, end=False)
+
+
+def test_in_graph_noise_equals_the_runtime_table():
+    """The noise rows the graph computes from a stream's position (counter-based) are the runtime's NoiseTable rows,
     bit for bit, including past the table's wrap."""
-    import onnx
-    from onnx import helper
+    from onnx import TensorProto, helper
 
+    from hift_export.triton_repo import _Builder, _noise
     from hift_runtime.noise import NoiseTable
 
-    model = onnx.load(str(repo / "hift_generator" / "1" / "model.onnx"), load_external_data=False)
-    model.graph.output.append(helper.make_tensor_value_info("noise", onnx.TensorProto.FLOAT, None))
-    del model.graph.node[[n.output[0] for n in model.graph.node].index("noise") + 1:]
-    keep = {"f0", "position"}
-    inputs = [i for i in model.graph.input if i.name in keep]
-    del model.graph.input[:]
-    model.graph.input.extend(inputs)
-    del model.graph.output[:]
-    model.graph.output.append(helper.make_tensor_value_info("noise", onnx.TensorProto.FLOAT, None))
-    used = {name for node in model.graph.node for name in node.input}
-    kept = [t for t in model.graph.initializer if t.name in used]
-    del model.graph.initializer[:]
-    model.graph.initializer.extend(kept)
+    inits: list = []
+    b = _Builder("t/", inits)
+    noise = _noise(b, "position", "steps", 0, 7_200_000, 9, 480)
+    b.nodes.append(helper.make_node("Identity", [noise], ["noise"]))
+    graph = helper.make_graph(b.nodes, "noise", [helper.make_tensor_value_info("position", TensorProto.INT64, [1, 1]),
+                                                 helper.make_tensor_value_info("steps", TensorProto.INT64, [1])],
+                              [helper.make_tensor_value_info("noise", TensorProto.FLOAT, None)], initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     table = NoiseTable.seeded(0, 7_200_000, 9)
     for position in (0, 3, 14_999, 15_000, 123_457):
-        noise = session.run(None, {"f0": np.zeros((1, 5), np.float32),
-                                   "position": np.array([[position]], np.int64)})[0]
-        np.testing.assert_array_equal(noise[0], table.rows(position * 480, 5 * 480), err_msg=str(position))
+        rows = session.run(None, {"position": np.array([[position]], np.int64), "steps": np.array([5], np.int64)})[0]
+        np.testing.assert_array_equal(rows[0], table.rows(position * 480, 5 * 480), err_msg=str(position))
 
 
-def test_a_batch_mixing_ending_and_continuing_rows_equals_each_row_alone(repo):
-    """Triton's sequence batcher puts a sequence's END request beside other sequences' steps: each row of such a batch
-    is what the same request gives alone (the final step runs for the batch, and is kept only where END is set)."""
-    session = ort.InferenceSession(str(repo / "hift_generator" / "1" / "model.onnx"),
-                                   providers=["CPUExecutionProvider"])
-    states = {s.input_name: s for s in _config(repo / "hift_generator" / "config.pbtxt").sequence_batching.state}
-    rng = np.random.default_rng(5)
-    feed = {"mel": rng.standard_normal((3, 80, 10)).astype(np.float32) - 5,
-            "f0": (rng.random((3, 7)) * 200).astype(np.float32),
-            "first": np.array([[False], [True], [False]]), "end": np.array([[True], [False], [False]])}
-    for name, state in states.items():
-        kind = STATE_DTYPES[_pb().DataType.Name(state.data_type)]
-        value = rng.integers(0, 500, (3, *state.dims)) if kind is np.int64 else rng.standard_normal((3, *state.dims))
-        feed[name] = (value * (0.05 if kind is np.float32 else 1)).astype(kind)
-    names = [o.name for o in session.get_outputs()]
-    together = session.run(names, feed)
-    for i in range(3):
-        alone = session.run(names, {k: v[i:i + 1] for k, v in feed.items()})
-        for name, a, b in zip(names, together, alone):
-            if name.startswith("next.") and feed["end"][i, 0]:
-                continue  # an ended sequence's state is released
-            # Batch size changes the convolutions' float32 rounding; with random caches (larger than a stream's)
-            # that reaches the exporter's own bound for the step graphs (STEP_TOLERANCE), the audio stays within 1e-6.
-            bound = STEP_TOLERANCE if name.startswith("next.") else REPO_TOLERANCE
-            np.testing.assert_allclose(a[i:i + 1], b, rtol=0, atol=bound, err_msg=f"{name} row {i}")
+def test_instances_on_the_listed_gpus_and_settings_checked(small_artifacts, tmp_path):
+    from hift_export.triton_repo import _states, config_pbtxt, write_triton_repository
+    from hift_runtime.contract import StreamConstants
 
-
-def test_generator_instances_on_the_listed_gpus(small_artifacts):
+    manifest = read_manifest(small_artifacts.out)
+    constants = StreamConstants.from_manifest(manifest.config, manifest.step)
+    states = _states(constants, manifest.step["generator_caches"], manifest.step["f0_caches"])
+    config = _pb().ModelConfig()
     from google.protobuf import text_format
 
-    from hift_export.triton_repo import config_pbtxt
-
-    layout = read_manifest(small_artifacts.out).step["generator_caches"]
-    config = _pb().ModelConfig()
-    text_format.Parse(config_pbtxt("hift_generator", layout, generator=True, max_batch=8, in_channels=80, columns=9,
-                                   max_queue_delay_us=2000, idle_us=10_000_000, gpus=[0, 1]), config)
+    text_format.Parse(config_pbtxt(constants, states, max_streams=2, gpus=[0, 1]), config)
     group = config.instance_group[0]
     assert group.kind == group.KIND_GPU and group.count == 1 and list(group.gpus) == [0, 1]
+    with pytest.raises(ValueError, match="below the idle time"):
+        write_triton_repository(manifest, tmp_path, idle_us=1_000_000, start_timeout_us=2_000_000)
+    with pytest.raises(ValueError, match="at least 1"):
+        write_triton_repository(manifest, tmp_path, max_streams=0)
