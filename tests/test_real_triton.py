@@ -1,21 +1,28 @@
 """The stock-Triton repository on a real tritonserver: Triton 2.51 (r24.10) with its onnxruntime backend, built
 against ONNX Runtime 1.19.2 by ``../shared/tools/real-triton/build.sh`` into ``REAL_TRITON_HOME`` (``.ci/run`` builds
-it). Skipped where no such build is named."""
+it). The repository is written by ``write_triton_repository`` (what ``hift-export --triton-repo`` calls) and served
+unchanged; the clients are the project's own. Skipped where no such build is named.
+
+Untested here: a GPU Triton (none is available); the repository's ``KIND_AUTO`` instance would take a GPU there.
+"""
 
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
+import threading
 import time
-import urllib.request
 
+import numpy as np
 import pytest
 
+from hift_runtime import open_vocoder, wire
 from hift_runtime.manifest import read_manifest
 
-from .conftest import FIXTURES
+from .conftest import FIXTURES, max_abs, run_in_threads
 from .test_serve import _free_ports
+from .test_streaming import random_mel
 
 HOME = os.environ.get("REAL_TRITON_HOME", "")
 SERVE = FIXTURES.parent / "tools" / "real-triton" / "serve.sh"
@@ -23,30 +30,190 @@ pytestmark = pytest.mark.skipif(
     not HOME or not os.path.isfile(os.path.join(HOME, "backends", "onnxruntime", "libtriton_onnxruntime.so"))
     or not SERVE.is_file(), reason="no real tritonserver build (REAL_TRITON_HOME, ../shared/tools/real-triton)")
 
+STREAMS, IDLE_S, START_TIMEOUT_S, MAX_CHUNK = 8, 4.0, 1.0, 64
+TOLERANCE = 1e-6  # the offline pass's own tolerance for streamed audio (test_triton_repo.py)
 
-def test_the_repository_loads_as_written_on_a_cpu_only_triton(small_artifacts, tmp_path):
-    """``hift-export --triton-repo``'s repository, unchanged, on a Triton without GPUs: both models ready."""
+
+@pytest.fixture(scope="module")
+def triton(small_artifacts, tmp_path_factory):
+    """A real tritonserver on the repository (8 streams, 4 s idle time, 1 s START timeout, 64-frame chunks);
+    yields ``(grpc address, log path)``."""
     from hift_export.triton_repo import write_triton_repository
 
-    write_triton_repository(read_manifest(small_artifacts.out), tmp_path / "repo", max_batch=8, noise_seed=0,
-                            gpus=None, log=lambda _: None)
+    folder = tmp_path_factory.mktemp("real-triton")
+    write_triton_repository(read_manifest(small_artifacts.out), folder / "repo", max_streams=STREAMS,
+                            idle_us=int(IDLE_S * 1e6), start_timeout_us=int(START_TIMEOUT_S * 1e6),
+                            max_chunk_frames=MAX_CHUNK, log=lambda _: None)
     http, grpc, metrics = _free_ports(3)
-    log = tmp_path / "triton.log"
-    started = subprocess.run(["bash", str(SERVE), str(tmp_path / "repo"), str(http), str(grpc), str(metrics), str(log)],
+    log = folder / "triton.log"
+    started = subprocess.run(["bash", str(SERVE), str(folder / "repo"), str(http), str(grpc), str(metrics), str(log)],
                              env={**os.environ, "WAIT_READY": "120"}, capture_output=True, text=True, timeout=180)
     pid = int(started.stdout.strip().splitlines()[0]) if started.stdout.strip() else None
     try:
         assert started.returncode == 0, (started.stderr + log.read_text(errors="replace"))[-3000:]
-        for model in ("hift_f0", "hift_generator"):
-            with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/models/{model}/ready", timeout=10) as ready:
-                assert ready.status == 200, model
-        assert "hift_generator_0_0 (CPU device 0)" in log.read_text(errors="replace")
+        yield f"127.0.0.1:{grpc}", log
     finally:
         if pid is not None:
             os.kill(pid, signal.SIGTERM)
-            for _ in range(200):  # it unloads the models and exits within its 15 s exit timeout
+            for _ in range(200):  # it unloads the model and exits within its 15 s exit timeout
                 try:
                     os.kill(pid, 0)
                 except OSError:
                     break
                 time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def local(small_artifacts):
+    return open_vocoder(small_artifacts.out, device="cpu")
+
+
+def _client(triton):
+    from hift_runtime.client import ServerClient
+
+    return ServerClient(triton[0])
+
+
+def _raw(triton, stream_id, mel, start=False, end=False, dtype="FP32"):
+    """A request as any tritonclient user sends it (no checks of ours on the way)."""
+    import tritonclient.grpc as g
+
+    tensor = g.InferInput(wire.MEL, [1, *mel.shape], dtype)
+    tensor.set_data_from_numpy(mel[None])
+    return g.InferenceServerClient(triton[0]).infer(wire.MODEL_NAME, [tensor], sequence_id=stream_id,
+                                                    sequence_start=start, sequence_end=end)
+
+
+def test_the_repository_loads_as_written_on_a_cpu_only_triton(triton):
+    from hift_runtime.client import TRITON_SEQUENCE
+
+    client = _client(triton)
+    assert client.model.kind == TRITON_SEQUENCE and client.model.max_streams == STREAMS
+    assert "hift_vocoder_0_0 (CPU device 0)" in triton[1].read_text(errors="replace")
+
+
+def test_eight_concurrent_ragged_streams_equal_the_in_process_stream(triton, local):
+    """Each request's audio is what the in-process stream's push/finish returns for the same chunk; the whole stream
+    equals the offline pass with the same noise seed."""
+    rng = np.random.default_rng(3)
+    mels = [random_mel(int(rng.integers(40, 160)), seed=80 + i) for i in range(STREAMS)]
+
+    def run(i: int) -> None:
+        mel, client = mels[i], _client(triton)
+        remote, stream, pos = client.stream(), local.stream(), 0
+        while pos < mel.shape[1]:
+            size = int(np.random.default_rng(i * 100 + pos).integers(1, 40))
+            chunk, last = mel[:, pos:pos + size], pos + size >= mel.shape[1]
+            got = remote.push(chunk, end=last)
+            want = stream.finish(chunk) if last else stream.push(chunk)
+            assert got.shape == want.shape and max_abs(got, want) <= TOLERANCE, (i, pos)
+            pos += size
+        client.close()
+
+    run_in_threads(run, range(STREAMS), timeout=120)
+    client = _client(triton)
+    remote, mel = client.stream(), random_mel(100, seed=79)
+    audio = np.concatenate([remote.push(mel[:, :50]), remote.push(mel[:, 50:], end=True)])
+    assert max_abs(audio, local.vocode(mel)) <= TOLERANCE
+
+
+def test_start_and_end_in_one_request(triton, local):
+    mel = random_mel(37, seed=5)
+    audio = _client(triton).stream().push(mel, end=True)
+    assert audio.shape == (37 * 480,) and max_abs(audio, local.vocode(mel)) <= TOLERANCE
+
+
+def test_a_refused_request_leaves_its_stream_intact(triton, local):
+    """A wrong shape, a wrong dtype and an overlong chunk are refused, each in one message naming it; the stream then
+    goes on as if they had never been sent."""
+    from tritonclient.utils import InferenceServerException
+
+    mel = random_mel(90, seed=6)
+    client = _client(triton)
+    stream = client.stream()
+    first = stream.push(mel[:, :30])
+    sid = stream.stream_id
+    with pytest.raises(InferenceServerException, match="unexpected shape for input 'mel'"):
+        _raw(triton, sid, np.zeros((79, 5), np.float32))
+    with pytest.raises(InferenceServerException, match="inference input 'mel' data-type is 'FP64', but model "
+                                                       "'hift_vocoder' expects 'FP32'"):
+        _raw(triton, sid, np.zeros((80, 5), np.float64), dtype="FP64")
+    with pytest.raises(InferenceServerException, match=f"refused: a chunk holds more than {MAX_CHUNK} frames"):
+        _raw(triton, sid, np.zeros((80, MAX_CHUNK + 1), np.float32))
+    rest = stream.push(mel[:, 30:], end=True)
+    assert max_abs(np.concatenate([first, rest]), local.vocode(mel)) <= TOLERANCE
+
+
+def test_end_without_start_is_refused(triton):
+    from tritonclient.utils import InferenceServerException
+
+    with pytest.raises(InferenceServerException, match="must specify the START flag on the first request"):
+        _raw(triton, "never-started", random_mel(10), end=True)
+
+
+def test_the_capacity_edge_refuses_a_start_within_the_start_timeout(triton, local):
+    """With every stream slot held, the next start is refused as overloaded after the START timeout (nothing
+    opened); once a stream ends, a start gets its slot at once."""
+    from hift_runtime.client import ServerOverloaded
+
+    client = _client(triton)
+    holders = [client.stream() for _ in range(STREAMS)]
+    for h in holders:
+        h.push(random_mel(10))
+    t0 = time.perf_counter()
+    with pytest.raises(ServerOverloaded, match=f"holds the {STREAMS} streams its repository allows"):
+        client.stream().push(random_mel(10))
+    waited = time.perf_counter() - t0
+    assert START_TIMEOUT_S * 0.9 <= waited <= START_TIMEOUT_S + 1.5
+    holders.pop().push(random_mel(5), end=True)
+    t0 = time.perf_counter()
+    mel = random_mel(20, seed=9)
+    assert max_abs(client.stream().push(mel, end=True), local.vocode(mel)) <= TOLERANCE
+    assert time.perf_counter() - t0 < START_TIMEOUT_S
+    for h in holders:
+        h.push(random_mel(5), end=True)
+
+
+def test_a_stream_never_ended_expires_and_its_slot_is_reused(triton):
+    from hift_runtime.client import ServerError
+
+    client = _client(triton)
+    abandoned = [client.stream() for _ in range(STREAMS)]
+    for s in abandoned:
+        s.push(random_mel(10))
+    time.sleep(IDLE_S + 1.0)  # Triton's reaper releases them after the idle time
+    t0 = time.perf_counter()
+    fresh = [client.stream() for _ in range(STREAMS)]
+    for s in fresh:
+        s.push(random_mel(10))
+    assert time.perf_counter() - t0 < START_TIMEOUT_S  # no start waited for a slot
+    with pytest.raises(ServerError, match="must specify the START flag"):
+        abandoned[0].push(random_mel(5), end=True)
+    for s in fresh:
+        s.push(random_mel(5), end=True)
+
+
+def test_a_start_that_waited_in_the_backlog_then_keeps_real_time_pace(triton, local):
+    """A start that found every slot held waits in Triton's backlog until one frees (within the START timeout); the
+    stream then sends at real-time pace for longer than the idle time and is never force-ended."""
+    from hift_runtime.client import ServerError
+
+    client = _client(triton)
+    holders = [client.stream() for _ in range(STREAMS)]
+    for h in holders:
+        h.push(random_mel(10))
+    freeing = threading.Timer(START_TIMEOUT_S / 2, lambda: holders[0].push(random_mel(5), end=True))
+    freeing.start()
+    mel = random_mel(24 * 11, seed=10)
+    stream, pieces = client.stream(), []
+    t0 = time.perf_counter()
+    pieces.append(stream.push(mel[:, :24]))
+    assert time.perf_counter() - t0 >= START_TIMEOUT_S / 2 * 0.9  # it waited for the slot
+    freeing.join()
+    for k in range(1, 11):  # 24 frames every 0.48 s: 4.8 s, past the 4 s idle time counted from the start's arrival
+        time.sleep(0.48)
+        pieces.append(stream.push(mel[:, 24 * k:24 * (k + 1)], end=k == 10))
+    assert max_abs(np.concatenate(pieces), local.vocode(mel)) <= TOLERANCE
+    for h in holders[1:]:  # silent for longer than the idle time meanwhile: released by Triton
+        with pytest.raises(ServerError, match="must specify the START flag"):
+            h.push(random_mel(5), end=True)
