@@ -33,6 +33,12 @@ writes them in place (``caches_in_place`` for the generator's, ``f0_caches_in_pl
 a step that ran; a push that fails after such a step marks its stream *lost* (its next call raises
 :class:`StreamError`), and a cancelled one runs to its end instead of stopping.
 
+**Audio as it is made.** ``push(mel, on_audio=callback)`` (likewise ``finish``, ``apush``, ``afinish``) also hands each
+step's audio to ``callback`` as soon as that step is done, so playback can start on a chunk's first step; the call
+still returns the whole release (the pieces joined). ``async for piece in stream.apieces(mel)`` is the same for
+asyncio code. Audio that went out cannot be taken back: a push that fails (or is cancelled) after its first piece
+went out loses its stream.
+
 Thread safety: a :class:`StreamingVocoder` (and its backend's sessions) may serve many streams from many threads;
 calls on one :class:`VocoderStream` are serialised by its lock.
 """
@@ -44,7 +50,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Generator, Iterator
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -266,6 +272,7 @@ class VocoderStream:
         self._gen_caches = vocoder.backend.new_caches("generator")
         self._closed_as: str | None = None  # None while open; then "finished", "expired", "lost" or "closed"
         self._caches_written = False  # a push in progress wrote in-place caches it has not committed yet
+        self._audio_out = False  # a push in progress handed audio to its on_audio callback
         self._warned_range = False
         self.idle_since = time.monotonic()  # the end of the last call (idle expiry counts from here)
         self.stats = StreamStats()
@@ -300,32 +307,59 @@ class VocoderStream:
         return self._mel.shape[1]
 
     # ---- the calls ----------------------------------------------------------------------------------------------
-    def push(self, mel: Any, cancel: CancelToken | None = None) -> np.ndarray:
+    def push(self, mel: Any, cancel: CancelToken | None = None,
+             on_audio: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
         """Append a chunk; return the audio it releases. Refused (bad mel, closed stream), failed or cancelled, the
-        stream is as it was (see the module docstring for device caches)."""
-        return self._call("push()", mel, final=False, cancel=cancel)
+        stream is as it was (see the module docstring for device caches). ``on_audio``: called with each step's
+        audio (float32 ``[n]``, n > 0) as soon as that step is done, from the thread that runs the steps (keep it
+        short); the pieces join to the returned release."""
+        return self._call("push()", mel, final=False, cancel=cancel, on_audio=on_audio)
 
-    def finish(self, mel: Any = None, cancel: CancelToken | None = None) -> np.ndarray:
+    def finish(self, mel: Any = None, cancel: CancelToken | None = None,
+               on_audio: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
         """End the stream: the last chunk ``mel`` (optional) and everything held back, as one all-or-nothing call."""
-        return self._call("finish()", mel, final=True, cancel=cancel)
+        return self._call("finish()", mel, final=True, cancel=cancel, on_audio=on_audio)
 
-    async def apush(self, mel: Any) -> np.ndarray:
+    async def apieces(self, mel: Any, final: bool = False) -> AsyncIterator[np.ndarray]:
+        """``apush`` (``afinish`` with ``final``) as an async iterator over its release, each step's audio as soon as
+        that step is done. Leaving the loop early cancels the push (and, once audio went out, loses the stream)."""
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        pieces: asyncio.Queue[Any] = asyncio.Queue()
+        done = object()
+        task = asyncio.ensure_future(self._acall("apieces()", mel, final,
+                                                 lambda piece: loop.call_soon_threadsafe(pieces.put_nowait, piece)))
+        # Queued after every piece: the pieces were handed to the loop before the push returned.
+        task.add_done_callback(lambda _: pieces.put_nowait(done))
+        try:
+            while (piece := await pieces.get()) is not done:
+                yield piece
+            await task  # the push's error, if it failed
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+
+    async def apush(self, mel: Any, on_audio: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
         """``push`` from asyncio. With a batching scheduler the push is handed to it from the event loop's thread (no
         thread per push or per stream: thousands of streams can run as tasks of one loop); without one it runs in a
         worker thread. Cancelling the task cancels the push (the stream is then unchanged, or the push completed:
         never half of it). Calls on one stream must not overlap: a second one while one is in flight is refused."""
-        return await self._acall("apush()", mel, final=False)
+        return await self._acall("apush()", mel, final=False, on_audio=on_audio)
 
-    async def afinish(self, mel: Any = None) -> np.ndarray:
-        return await self._acall("afinish()", mel, final=True)
+    async def afinish(self, mel: Any = None, on_audio: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
+        return await self._acall("afinish()", mel, final=True, on_audio=on_audio)
 
-    async def _acall(self, name: str, mel: Any, final: bool) -> np.ndarray:
+    async def _acall(self, name: str, mel: Any, final: bool,
+                     on_audio: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
         import asyncio
 
         scheduler = self._v.scheduler
         if scheduler is None:  # no scheduler: the steps run on the backend in a worker thread
             token = CancelToken()
-            task = asyncio.ensure_future(asyncio.to_thread(self._call, name, mel, final, token))
+            task = asyncio.ensure_future(asyncio.to_thread(self._call, name, mel, final, token, on_audio))
             try:
                 return await asyncio.shield(task)
             except asyncio.CancelledError:
@@ -344,7 +378,7 @@ class VocoderStream:
                 return np.zeros(0, np.float32)
             with self._v._pushing():
                 try:
-                    out = await scheduler.arun(self._steps(chunk, final), on_cancelled=self._push_failed)
+                    out = await scheduler.arun(self._steps(chunk, final, on_audio), on_cancelled=self._push_failed)
                 except asyncio.CancelledError:
                     raise  # told to _push_failed (by arun) once the push settled, unless it completed
                 except BaseException as exc:
@@ -357,14 +391,15 @@ class VocoderStream:
             self.idle_since = time.monotonic()
             self._lock.release()
 
-    def _call(self, name: str, mel: Any, final: bool, cancel: CancelToken | None) -> np.ndarray:
+    def _call(self, name: str, mel: Any, final: bool, cancel: CancelToken | None,
+              on_audio: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
         with self._lock:
             try:
                 chunk = self._accept(name, mel, final)
                 if chunk is None:
                     return np.zeros(0, np.float32)
                 with self._v._pushing():
-                    out = self._advance(chunk, final=final, cancel=cancel)
+                    out = self._advance(chunk, final=final, cancel=cancel, on_audio=on_audio)
                 if final:
                     self._v._unregister(self)
                 return out
@@ -426,12 +461,13 @@ class VocoderStream:
         self._mel = self._f0 = self._gen_caches = self._f0_caches = None  # type: ignore[assignment]
 
     # ---- internals ----------------------------------------------------------------------------------------------
-    def _advance(self, chunk: np.ndarray, final: bool, cancel: CancelToken | None = None) -> np.ndarray:
+    def _advance(self, chunk: np.ndarray, final: bool, cancel: CancelToken | None = None,
+                 on_audio: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
         """Run the steps the new frames allow: through the vocoder's scheduler (which batches them with other
         streams' steps), or straight on its backend. A push that fails after it wrote in-place caches loses the
         stream (those caches are ahead of its bookkeeping)."""
         scheduler = self._v.scheduler
-        steps = self._steps(chunk, final)
+        steps = self._steps(chunk, final, on_audio)
         try:
             if scheduler is not None:
                 return scheduler.run(steps, cancel)
@@ -442,14 +478,16 @@ class VocoderStream:
 
     def _push_failed(self, exc: BaseException) -> None:
         """After a push that did not complete: a cancelled one changed nothing; one that failed after it wrote
-        in-place caches loses the stream; a backend's error marks the vocoder failed (for placement)."""
-        if isinstance(exc, PushCancelled):  # cancelled only before any call that writes caches ran
+        in-place caches, or after audio went out, loses the stream; a backend's error marks the vocoder failed (for
+        placement)."""
+        if isinstance(exc, PushCancelled) and not self._audio_out:  # cancelled before any call that writes caches
             self._caches_written = False
             return
-        if isinstance(exc, Exception) and not isinstance(exc, SchedulerClosed) and self._v.failure is None:
+        if isinstance(exc, Exception) and not isinstance(exc, SchedulerClosed | PushCancelled | StreamError) \
+                and self._v.failure is None:
             self._v.failure = exc  # a backend call failed (input errors are refused before _advance)
-        if self._caches_written:
-            self._caches_written = False
+        if self._caches_written or self._audio_out:  # what went out cannot be taken back: a retry would repeat it
+            self._caches_written = self._audio_out = False
             self._release("lost")
             self._v._unregister(self)
 
@@ -474,11 +512,23 @@ class VocoderStream:
         args = (np.ascontiguousarray(mel[None]), f0[None], noise, phase, np.array([[position == 0]]), caches)
         return StepCall(kind, args if window is None else (*args, np.array([[frames]], np.int64)), writes)
 
+    def _hand_out(self, piece: np.ndarray, on_audio: Callable[[np.ndarray], None] | None) -> None:
+        """A step's audio to the push's ``on_audio`` (a copy: the caller may keep it); until the commit, a failure
+        then loses the stream."""
+        if on_audio is not None and piece.shape[0]:
+            self._audio_out = True
+            try:
+                on_audio(piece.copy())
+            except Exception as exc:  # the caller's code, not the backend's: the vocoder stays healthy
+                raise StreamError(f"the on_audio callback raised {type(exc).__name__}: {exc}; the stream is lost, "
+                                  f"open a new one") from exc
+
     def _emitted(self, audio: np.ndarray, position: int) -> np.ndarray:
         """A step's audio row, without the samples before the utterance on its first step (the audio lags)."""
         return audio[0, self._c.audio_lag * self._c.samples_per_frame if position == 0 else 0:]
 
-    def _steps(self, chunk: np.ndarray, final: bool) -> Generator[StepCall, Any, np.ndarray]:
+    def _steps(self, chunk: np.ndarray, final: bool, on_audio: Callable[[np.ndarray], None] | None = None
+               ) -> Generator[StepCall, Any, np.ndarray]:
         """The push as a coroutine: it yields each backend call it needs (:class:`StepCall`), is sent the call's
         result, and returns the emitted audio. Everything is computed into locals; the stream's state changes only
         once every call has succeeded (an error thrown in, or the coroutine closed, leaves it as it was)."""
@@ -527,6 +577,7 @@ class VocoderStream:
             if self._v.phase_mode == "wrapped":
                 phase = phase - np.floor(phase)
             pieces.append(self._emitted(audio, position))
+            self._hand_out(pieces[-1], on_audio)
             steps.append(size)
             position += size
         if final and n > position:
@@ -538,6 +589,7 @@ class VocoderStream:
             if window is not None:  # the window's padding
                 audio = audio[:, :(frames + 1) * c.samples_per_frame]
             pieces.append(self._emitted(audio, position))
+            self._hand_out(pieces[-1], on_audio)
             steps.append(n - position)
             position = n
         # A copy, not views: a view would keep each step's output buffer alive for as long as the caller keeps it.
@@ -554,7 +606,7 @@ class VocoderStream:
         self._frames_in, self._position = n, position
         self._mel, self._f0 = mel[:, position - base:], f0[position - base:]
         self._phase, self._gen_caches, self._f0_caches = phase, caches, f0_caches
-        self._caches_written = False
+        self._caches_written = self._audio_out = False
         st.frames_in = n
         st.samples_out += emitted.shape[0]
         st.f0_frames = f0_end

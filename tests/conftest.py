@@ -146,7 +146,9 @@ def _start_export(which: str, threads: int | None = None) -> None:
             return
         out = Path(tempfile.mkdtemp(prefix=f"hift-{which}-")) / "artifacts"
         env = dict(os.environ, OMP_NUM_THREADS=str(threads)) if threads else None
-        process = subprocess.Popen([sys.executable, "-m", "hift_export.cli", *_EXPORT_ARGS[which], "--out",
+        # The reduced export also writes the stock-Triton repository, as a user asks for it (test_real_triton.py).
+        repo = ["--triton-repo", str(out.parent / "triton-repo"), "--triton-max-streams", "4"] if which == "small" else []
+        process = subprocess.Popen([sys.executable, "-m", "hift_export.cli", *_EXPORT_ARGS[which], *repo, "--out",
                                     str(out)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                    env=env)
         _EXPORTS[which] = (out, process)

@@ -337,3 +337,67 @@ def test_rows_joined_as_bytes_equal_numpy_and_are_new_arrays():
     part = copy_rows(table, 3)
     assert np.array_equal(part, table[:3]) and holds_just_its_values(part)
     assert np.array_equal(copy_rows(table[0], 4), table[0, :4])
+
+
+def test_audio_goes_out_as_each_step_is_done(small_artifacts, alone):
+    """``on_audio`` gets each step's audio during the push (a 100-frame chunk on the CPU: steps of at most 24 frames),
+    the pieces join to the push's release, in process with and without the batching scheduler and from asyncio
+    (``apieces``); the stream is exact."""
+    import asyncio
+
+    mel = random_mel(230, seed=33)
+    want = alone.vocode(mel)
+    for vocoder in (alone, open_vocoder(small_artifacts.out, device="cpu", batching=True)):
+        stream, got = vocoder.stream(), []
+        for part, final in ((mel[:, :50], False), (mel[:, 50:150], False), (mel[:, 150:], True)):
+            pieces: list = []
+            release = (stream.finish if final else stream.push)(part, on_audio=pieces.append)
+            assert len(pieces) >= (2 if part.shape[1] > 24 else 1) and all(p.size for p in pieces)
+            assert np.array_equal(np.concatenate(pieces), release)
+            got.append(release)
+        assert max_abs(np.concatenate(got), want) <= 1e-6
+
+        async def pieces_of() -> list:
+            stream, out = vocoder.stream(), []
+            for part, final in ((mel[:, :100], False), (mel[:, 100:], True)):
+                async for piece in stream.apieces(part, final=final):
+                    out.append(piece)
+            return out
+
+        pieces = asyncio.run(pieces_of())
+        assert len(pieces) > 4 and max_abs(np.concatenate(pieces), want) <= 1e-6
+        if vocoder is not alone:
+            vocoder.close()
+
+
+def test_a_push_that_fails_after_its_audio_went_out_loses_its_stream(alone):
+    """Audio handed out cannot be taken back: a push failing after a piece went out (a device error, or the
+    callback's own error) loses its stream, where one failing before any did leaves it unchanged; the callback's error
+    does not mark the vocoder failed."""
+    from hift_runtime.streaming import StreamingVocoder
+
+    backend = _FailingOnce(alone.backend)
+    vocoder = StreamingVocoder(backend, alone.constants)
+    mel = random_mel(120, seed=34)
+    stream = vocoder.stream()
+    stream.push(mel[:, :30])
+    pieces: list = []
+
+    def fail_after_the_first(piece):
+        pieces.append(piece)
+        backend.fail_next = True  # the push's next generator step fails
+
+    with pytest.raises(RuntimeError, match="device lost"):
+        stream.push(mel[:, 30:90], on_audio=fail_after_the_first)
+    assert pieces and stream.lost
+    with pytest.raises(StreamError, match="lost"):
+        stream.push(mel[:, 90:])
+    vocoder.failure = None
+    other = vocoder.stream()
+
+    def broken(piece):
+        raise ValueError("player gone")
+
+    with pytest.raises(StreamError, match="on_audio callback raised ValueError: player gone"):
+        other.push(mel[:, :60], on_audio=broken)
+    assert other.lost and vocoder.failure is None

@@ -1,6 +1,6 @@
 """The stock-Triton repository on a real tritonserver: Triton 2.51 (r24.10) with its onnxruntime backend, built
 against ONNX Runtime 1.19.2 by ``../shared/tools/real-triton/build.sh`` into ``REAL_TRITON_HOME`` (``.ci/run`` builds
-it). The repository is written by ``write_triton_repository`` (what ``hift-export --triton-repo`` calls) and served
+it). The repositories are written by ``hift-export --triton-repo`` (the reduced export's) and by ``write_triton_repository``
 unchanged; the clients are the project's own. Skipped where no such build is named.
 
 Untested here: a GPU Triton (none is available); the repository's ``KIND_AUTO`` instance would take a GPU there.
@@ -8,6 +8,7 @@ Untested here: a GPU Triton (none is available); the repository's ``KIND_AUTO`` 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -34,24 +35,16 @@ STREAMS, IDLE_S, START_TIMEOUT_S, MAX_CHUNK = 8, 4.0, 1.0, 64
 TOLERANCE = 1e-6  # the offline pass's own tolerance for streamed audio (test_triton_repo.py)
 
 
-@pytest.fixture(scope="module")
-def triton(small_artifacts, tmp_path_factory):
-    """A real tritonserver on the repository (8 streams, 4 s idle time, 1 s START timeout, 64-frame chunks);
-    yields ``(grpc address, log path)``."""
-    from hift_export.triton_repo import write_triton_repository
-
-    folder = tmp_path_factory.mktemp("real-triton")
-    write_triton_repository(read_manifest(small_artifacts.out), folder / "repo", max_streams=STREAMS,
-                            idle_us=int(IDLE_S * 1e6), start_timeout_us=int(START_TIMEOUT_S * 1e6),
-                            max_chunk_frames=MAX_CHUNK, log=lambda _: None)
+@contextlib.contextmanager
+def served(repo, log):
+    """A real tritonserver on ``repo``; yields its gRPC address."""
     http, grpc, metrics = _free_ports(3)
-    log = folder / "triton.log"
-    started = subprocess.run(["bash", str(SERVE), str(folder / "repo"), str(http), str(grpc), str(metrics), str(log)],
+    started = subprocess.run(["bash", str(SERVE), str(repo), str(http), str(grpc), str(metrics), str(log)],
                              env={**os.environ, "WAIT_READY": "120"}, capture_output=True, text=True, timeout=180)
     pid = int(started.stdout.strip().splitlines()[0]) if started.stdout.strip() else None
     try:
         assert started.returncode == 0, (started.stderr + log.read_text(errors="replace"))[-3000:]
-        yield f"127.0.0.1:{grpc}", log
+        yield f"127.0.0.1:{grpc}"
     finally:
         if pid is not None:
             os.kill(pid, signal.SIGTERM)
@@ -61,6 +54,20 @@ def triton(small_artifacts, tmp_path_factory):
                 except OSError:
                     break
                 time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def triton(small_artifacts, tmp_path_factory):
+    """A real tritonserver on a repository with short timings for these tests (8 streams, 4 s idle time, 1 s START
+    timeout, 64-frame chunks); yields ``(grpc address, log path)``."""
+    from hift_export.triton_repo import write_triton_repository
+
+    folder = tmp_path_factory.mktemp("real-triton")
+    write_triton_repository(read_manifest(small_artifacts.out), folder / "repo", max_streams=STREAMS,
+                            idle_us=int(IDLE_S * 1e6), start_timeout_us=int(START_TIMEOUT_S * 1e6),
+                            max_chunk_frames=MAX_CHUNK, log=lambda _: None)
+    with served(folder / "repo", folder / "triton.log") as address:
+        yield address, folder / "triton.log"
 
 
 @pytest.fixture(scope="module")
@@ -84,12 +91,26 @@ def _raw(triton, stream_id, mel, start=False, end=False, dtype="FP32"):
                                                     sequence_start=start, sequence_end=end)
 
 
-def test_the_repository_loads_as_written_on_a_cpu_only_triton(triton):
+def test_the_exported_repository_serves_hift_vocode_exactly(small_artifacts, local, tmp_path):
+    """``hift-export --triton-repo``'s repository (the reduced export's, written by the CLI), unchanged, on a Triton
+    without GPUs; ``hift-vocode --server`` streams through it what it makes in process."""
+    from hift_runtime.cli import main
+
+    mel = random_mel(230, seed=4)
+    np.save(tmp_path / "mel.npy", mel)
+    log = tmp_path / "triton.log"
+    with served(small_artifacts.out.parent / "triton-repo", log) as address:
+        assert "hift_vocoder_0_0 (CPU device 0)" in log.read_text(errors="replace")
+        assert main(["--mel", str(tmp_path / "mel.npy"), "--server", address, "--chunks", "50,100,200",
+                     "--out", str(tmp_path / "served.npy")]) == 0
+    assert max_abs(np.load(tmp_path / "served.npy").reshape(-1), local.vocode(mel)) <= TOLERANCE
+
+
+def test_the_clients_tell_the_stock_model_apart(triton):
     from hift_runtime.client import TRITON_SEQUENCE
 
-    client = _client(triton)
-    assert client.model.kind == TRITON_SEQUENCE and client.model.max_streams == STREAMS
-    assert "hift_vocoder_0_0 (CPU device 0)" in triton[1].read_text(errors="replace")
+    model = _client(triton).model
+    assert model.kind == TRITON_SEQUENCE and model.max_streams == STREAMS and model.sample_rate == 24000
 
 
 def test_eight_concurrent_ragged_streams_equal_the_in_process_stream(triton, local):

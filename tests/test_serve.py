@@ -575,7 +575,7 @@ def test_client_errors_are_server_errors_and_http_keeps_its_timeout(monkeypatch)
         ServerClient("ftp://h:1")
     for module, url in ((tritonclient.grpc, "h:1"), (tritonclient.http, "http://h:1")):
         monkeypatch.setattr(module, "InferenceServerClient", _FakeTritonClient)
-        with pytest.raises(ServerError, match=f"{url}.*not a hift-serve model"):
+        with pytest.raises(ServerError, match=f"{url}.*not a hift-serve or hift-export --triton-repo model"):
             ServerClient(url, timeout_s=7.5)
     assert _FakeTritonClient.made[-1] == {"connection_timeout": 7.5, "network_timeout": 7.5}
 
