@@ -74,12 +74,18 @@ def served_model(url: str, name: str, metadata: dict[str, Any], config: Any) -> 
                        int(params[wire.PARAM_START_TIMEOUT_US]))
 
 
+def checked_chunk(mel: np.ndarray, in_channels: int) -> np.ndarray:
+    """A chunk as the wire carries it (float32, C-contiguous ``[C, T]``, T >= 1); anything else refused here."""
+    mel = np.ascontiguousarray(mel, np.float32)
+    if mel.ndim != 2 or mel.shape[0] != in_channels or mel.shape[1] < 1:
+        raise ServerError(f"a chunk must be [{in_channels}, T] with T >= 1 frames, got {tuple(mel.shape)}")
+    return mel
+
+
 def sequence_request(tc: Any, model: ServedModel, mel: np.ndarray) -> list[Any]:
     """A chunk's request to a stock-Triton model: ``mel [1, C, T]`` alone (START and END travel as Triton's
     sequence flags); a malformed or overlong chunk is refused here."""
-    mel = np.ascontiguousarray(mel, np.float32)
-    if mel.ndim != 2 or mel.shape[0] != model.in_channels or mel.shape[1] < 1:
-        raise ServerError(f"a chunk must be [{model.in_channels}, T] with T >= 1 frames, got {tuple(mel.shape)}")
+    mel = checked_chunk(mel, model.in_channels)
     if model.max_chunk_frames is not None and mel.shape[1] > model.max_chunk_frames:
         raise ServerError(f"the chunk has {mel.shape[1]} frames, more than this server takes in one request "
                           f"({model.max_chunk_frames}); send it as several chunks")
@@ -289,9 +295,7 @@ class RemoteStream(_StreamState):
 def request_inputs(tc: Any, in_channels: int, stream_id: str, mel: np.ndarray, start: bool, end: bool,
                    offset: int | None = None) -> list[Any]:
     """One chunk's request tensors (``tc``: ``tritonclient.grpc`` or ``.http``); a malformed chunk is refused here."""
-    mel = np.ascontiguousarray(mel, np.float32)
-    if mel.ndim != 2 or mel.shape[0] != in_channels or mel.shape[1] < 1:
-        raise ServerError(f"a chunk must be [{in_channels}, T] with T >= 1 frames, got {tuple(mel.shape)}")
+    mel = checked_chunk(mel, in_channels)
     values = {wire.STREAM_ID: np.array([[stream_id.encode()]], dtype=object), wire.MEL: mel[None],
               wire.START: np.array([[start]]), wire.END: np.array([[end]])}
     types = {wire.STREAM_ID: "BYTES", wire.MEL: "FP32", wire.START: "BOOL", wire.END: "BOOL", wire.OFFSET: "INT64"}
