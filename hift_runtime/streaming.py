@@ -540,34 +540,47 @@ class VocoderStream:
         f0, f0_caches = self._f0, self._f0_caches
         f0_end = base + f0.shape[0]
 
-        # 1. F0 of the frames that became computable (all remaining ones, with zero look-ahead, on finish).
+        # 1. F0 of the frames that became computable (all remaining ones, with zero look-ahead, on finish): its calls
+        # are planned here and made as the generator's steps need them, so a step's audio goes out after the F0 it
+        # reads, not after a long chunk's whole F0 (the same calls in the same order: the same values).
         target = n if final else n - c.f0_look_ahead
-        f0_calls = 0
-        if target > f0_end:
-            window = mel[:, f0_end - base:]  # frames [f0_end, target + look-ahead)
-            if final:
-                window = np.concatenate([window, np.zeros((c.in_channels, c.f0_look_ahead), np.float32)], axis=1)
-            pieces_f0, pos = [f0], 0
-            for size in split_steps(target - f0_end, f0_sizes, max_step):
+        f0_sizes_left = split_steps(target - f0_end, f0_sizes, max_step) if target > f0_end else []
+        f0_window = mel[:, f0_end - base:]  # frames [f0_end, target + look-ahead)
+        if final and f0_sizes_left:
+            f0_window = np.concatenate([f0_window, np.zeros((c.in_channels, c.f0_look_ahead), np.float32)], axis=1)
+        f0_from = f0_end  # the window's first frame
+        pieces_f0, f0_known, f0_calls = [f0], f0_end, 0  # F0 is known for frames [base, f0_known)
+
+        def f0_up_to(frame: int) -> Generator[StepCall, Any, None]:
+            """The planned F0 calls until F0 is known up to ``frame`` (all of them past ``target``)."""
+            nonlocal f0, f0_caches, f0_known, f0_calls
+            start = f0_known
+            while f0_known < frame and f0_calls < len(f0_sizes_left):
+                size, at = f0_sizes_left[f0_calls], f0_known - f0_from
                 if self._f0_in_place:
                     self._caches_written = True  # as for the generator's steps (_generator_call)
                 out, f0_caches = yield StepCall(
-                    "f0", (np.ascontiguousarray(window[None, :, pos:pos + size + c.f0_look_ahead]), f0_caches),
+                    "f0", (np.ascontiguousarray(f0_window[None, :, at:at + size + c.f0_look_ahead]), f0_caches),
                     self._f0_in_place)
                 pieces_f0.append(out[0])
-                pos += size
+                f0_known += size
                 f0_calls += 1
-            f0, f0_end = concat_rows(pieces_f0), target
+            if f0_known > start:
+                f0 = concat_rows(pieces_f0)
+                del pieces_f0[1:]
+                pieces_f0[0] = f0
 
         # 2. Generator steps up to where mel look-ahead and source look-ahead are known; on finish, one final step.
         phase, caches = self._phase, self._gen_caches
         position, pieces, steps = base, [], []
+        f0_end = max(f0_end, target)
         limit = min(n - c.mel_look_ahead, f0_end - c.source_look_ahead)
         window, step_window = (self._v.final_window if final else None), self._v.step_window
         if window is not None:  # the generator only as far as the window's start, in steps of the largest size
             unit = self._v.steps_before_final_window or 1
             limit = position + max(0, -(-(n - position - window) // unit) * unit)
         for size in split_steps(limit - position, sizes, max_step, step_window):
+            yield from f0_up_to(position + size + c.source_look_ahead)
             i = position - base
             audio, phase, caches = yield self._generator_call(
                 "generator", mel[:, i: i + size + c.mel_look_ahead], f0[i: i + size + c.source_look_ahead],
@@ -580,6 +593,7 @@ class VocoderStream:
             self._hand_out(pieces[-1], on_audio)
             steps.append(size)
             position += size
+        yield from f0_up_to(f0_end)  # the rest: F0 is kept for the next push's steps
         if final and n > position:
             i = position - base
             frames = n - position

@@ -401,3 +401,31 @@ def test_a_push_that_fails_after_its_audio_went_out_loses_its_stream(alone):
     with pytest.raises(StreamError, match="on_audio callback raised ValueError: player gone"):
         other.push(mel[:, :60], on_audio=broken)
     assert other.lost and vocoder.failure is None
+
+
+def test_a_long_chunks_f0_calls_are_made_as_its_steps_need_them(alone):
+    """A 100-frame push's first audio waits for the F0 its first step reads, not for the chunk's whole F0: its F0
+    calls come between its generator steps (the same calls, so the same audio)."""
+    from hift_runtime.streaming import StreamingVocoder
+
+    calls: list[str] = []
+
+    class Recording(_FailingOnce):
+        def f0_step(self, mel, caches):
+            calls.append("f0")
+            return super().f0_step(mel, caches)
+
+        def generator_step(self, *args):
+            calls.append("generator")
+            return super().generator_step(*args)
+
+    vocoder = StreamingVocoder(Recording(alone.backend), alone.constants)
+    mel = random_mel(130, seed=35)
+    stream = vocoder.stream()
+    out = [stream.push(mel[:, :30])]
+    calls.clear()
+    out.append(stream.push(mel[:, 30:130]))
+    assert calls[:2] == ["f0", "generator"] and calls.count("f0") > 1
+    assert calls.index("generator") < len(calls) - calls[::-1].index("f0") - 1  # an F0 call after a step
+    out.append(stream.finish())
+    assert max_abs(np.concatenate(out), alone.vocode(mel)) <= 1e-6
