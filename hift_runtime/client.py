@@ -18,7 +18,9 @@ chunk is not resent there (Triton has no idempotency key: a resend would be appl
 
 from __future__ import annotations
 
+import queue
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +48,7 @@ class ServedModel:
 
     kind: str  # HIFT_SERVE or TRITON_SEQUENCE
     in_channels: int
+    pieces: bool = False  # hift-serve --audio-pieces: a decoupled model, several responses a request (gRPC streaming)
     sample_rate: int | None = None  # hift-serve's comes with each reply
     max_chunk_frames: int | None = None
     max_streams: int | None = None
@@ -54,16 +57,17 @@ class ServedModel:
 
 def served_model(url: str, name: str, metadata: dict[str, Any], config: Any) -> ServedModel:
     """The model's kind and constants from ``get_model_metadata`` and ``get_model_config`` (JSON forms; ``config``
-    may be a callable that fetches it: read only for a stock-Triton model)."""
+    may be a callable that fetches it)."""
     inputs = {i["name"]: i for i in metadata.get("inputs", [])}
     if wire.MEL not in inputs:
         raise ServerError(f"model {name!r} at {url} has no {wire.MEL!r} input: not a hift-serve or "
                           f"hift-export --triton-repo model")
     channels = int(inputs[wire.MEL]["shape"][-2])
-    if wire.STREAM_ID in inputs:
-        return ServedModel(HIFT_SERVE, channels)
     config = config() if callable(config) else config
     config = config.get("config", config)  # gRPC's JSON wraps it
+    if wire.STREAM_ID in inputs:
+        return ServedModel(HIFT_SERVE, channels,
+                           pieces=bool(config.get("model_transaction_policy", {}).get("decoupled", False)))
     params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
     if params.get(wire.PARAM_PROTOCOL) != wire.SEQUENCE_PROTOCOL:
         raise ServerError(f"model {name!r} at {url} speaks neither hift-serve's protocol nor "
@@ -113,6 +117,32 @@ def sequence_failure(exc: BaseException, url: str, model: ServedModel, start: bo
     return ServerError(f"{url}: {message}")
 
 
+class _Pieces:
+    """One request's responses from a decoupled hift-serve, as they come: each one's audio handed on once, also
+    across a resend (the server answers a resend of the chunk it applied last with its whole release)."""
+
+    def __init__(self, on_audio: Callable[[np.ndarray], None] | None) -> None:
+        self.on_audio, self.audio, self.rate, self.got = on_audio, [], 0, 0
+
+    def attempt(self) -> None:
+        self._at = 0  # samples this attempt's responses carried so far
+
+    def add(self, result: Any) -> bool:
+        """A response; True when it was the request's last."""
+        audio, self.rate = reply_audio(result)
+        new = audio[max(0, self.got - self._at):]
+        self._at += audio.shape[0]
+        if new.shape[0]:
+            self.got += new.shape[0]
+            self.audio.append(new)
+            if self.on_audio is not None:
+                self.on_audio(new)
+        return bool(wire.first_value(result.as_numpy(wire.FINAL)))
+
+    def release(self) -> tuple[np.ndarray, int]:
+        return (np.concatenate(self.audio) if self.audio else np.zeros(0, np.float32)), self.rate
+
+
 class ServerClient:
     """A connection to a ``hift-serve`` model or a stock Triton's ``hift_vocoder``; checks at once that the server
     and the model are ready."""
@@ -156,11 +186,13 @@ class ServerClient:
     def stream(self, stream_id: str | None = None) -> "RemoteStream":
         return RemoteStream(self, stream_id or uuid.uuid4().hex)
 
-    def infer(self, stream_id: str, mel: np.ndarray, start: bool, end: bool,
-              offset: int | None = None) -> tuple[np.ndarray, int]:
+    def infer(self, stream_id: str, mel: np.ndarray, start: bool, end: bool, offset: int | None = None,
+              on_audio: Callable[[np.ndarray], None] | None = None) -> tuple[np.ndarray, int]:
         """One chunk: ``(audio, sample_rate)``; raises :class:`ServerError` with the server's message if refused. With
         ``offset`` (the stream's frames sent before this chunk) a transport failure is retried up to ``retries``
-        times: the server applies the chunk once (hift-serve; a stock Triton's chunk is sent once)."""
+        times: the server applies the chunk once (hift-serve; a stock Triton's chunk is sent once). ``on_audio``:
+        each piece of the release as it arrives (from a ``--audio-pieces`` server each step's audio, else the whole
+        release at once)."""
         if self.model.kind == TRITON_SEQUENCE:
             request = sequence_request(self._tc, self.model, mel)
             try:
@@ -168,8 +200,10 @@ class ServerClient:
                                             **sequence_arguments(self.model, stream_id, start, end), **self._timeout())
             except Exception as exc:  # noqa: BLE001 - a transport or Triton error
                 raise sequence_failure(exc, self.url, self.model, start) from None
-            return result.as_numpy(wire.AUDIO).reshape(-1).copy(), int(self.model.sample_rate or 0)
+            return _handed(result.as_numpy(wire.AUDIO).reshape(-1).copy(), int(self.model.sample_rate or 0), on_audio)
         inputs = request_inputs(self._tc, self.in_channels, stream_id, mel, start, end, offset)
+        if self.model.pieces:
+            return self._infer_pieces(inputs, stream_id, offset, on_audio)
         for _ in range(1 + (self.retries if offset is not None else 0)):
             try:
                 # The id also travels as a header, so a load balancer in front of several servers can pin a stream.
@@ -180,7 +214,36 @@ class ServerClient:
                 failure = exc
         else:
             raise ServerError(f"{self.url}: {_short(failure)}") from None
-        return reply_audio(result)
+        return _handed(*reply_audio(result), on_audio)
+
+    def _infer_pieces(self, inputs: list[Any], stream_id: str, offset: int | None,
+                      on_audio: Callable[[np.ndarray], None] | None) -> tuple[np.ndarray, int]:
+        """A chunk through a decoupled server: one gRPC stream for the request, its responses as they come."""
+        if self.protocol != "grpc":
+            raise ServerError(f"the server at {self.url} sends audio as it is made (hift-serve --audio-pieces), which "
+                              f"needs gRPC streaming: use its gRPC address (HOST:PORT)")
+        pieces = _Pieces(on_audio)
+        for _ in range(1 + (self.retries if offset is not None else 0)):
+            responses: queue.SimpleQueue = queue.SimpleQueue()
+            pieces.attempt()
+            try:
+                self._client.start_stream(callback=lambda result, error: responses.put((result, error)),
+                                          stream_timeout=self.timeout_s, headers={wire.STREAM_HEADER: stream_id})
+                try:
+                    self._client.async_stream_infer(self.model_name, inputs)
+                    while True:
+                        result, error = responses.get(timeout=self.timeout_s)
+                        if error is not None:
+                            raise error
+                        if pieces.add(result):
+                            return pieces.release()
+                finally:
+                    self._client.stop_stream()
+            except ServerError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a transport or Triton error, or no response in time
+                failure = exc
+        raise ServerError(f"{self.url}: {_short(failure) if str(failure) else 'no response in time'}") from None
 
     def _timeout(self) -> dict[str, Any]:
         """Per-call timeout arguments: gRPC takes one per call; HTTP has its own from construction."""
@@ -278,12 +341,14 @@ class RemoteStream(_StreamState):
     """One utterance on the server: ``push(chunk)`` returns the audio it released; ``push(last, end=True)`` also
     returns the held-back tail and closes the stream."""
 
-    def push(self, mel: np.ndarray, end: bool = False) -> np.ndarray:
+    def push(self, mel: np.ndarray, end: bool = False,
+             on_audio: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
+        """``on_audio``: each piece of the release as it arrives (see :meth:`ServerClient.infer`)."""
         self._check_open()
         while True:
             try:
                 audio, self.sample_rate = self.client.infer(self.stream_id, mel, start=not self._started, end=end,
-                                                            offset=self.frames_sent)
+                                                            offset=self.frames_sent, on_audio=on_audio)
                 break
             except ServerOverloaded:
                 if not self._next_server():
@@ -341,16 +406,15 @@ class AsyncServerClient:
         if self.model is None:
             try:
                 meta = await self._client.get_model_metadata(self.model_name, as_json=True)
-                config = (await self._client.get_model_config(self.model_name, as_json=True)
-                          if not any(i["name"] == wire.STREAM_ID for i in meta.get("inputs", [])) else {})
+                config = await self._client.get_model_config(self.model_name, as_json=True)
             except Exception as exc:  # noqa: BLE001 - a transport or Triton error
                 raise ServerError(f"{self.url}: cannot read the model's metadata: {_short(exc)}") from None
             self.model = served_model(self.url, self.model_name, meta, config)
             self.in_channels = self.model.in_channels
         return self.model
 
-    async def infer(self, stream_id: str, mel: np.ndarray, start: bool, end: bool,
-                    offset: int | None = None) -> tuple[np.ndarray, int]:
+    async def infer(self, stream_id: str, mel: np.ndarray, start: bool, end: bool, offset: int | None = None,
+                    on_audio: Callable[[np.ndarray], None] | None = None) -> tuple[np.ndarray, int]:
         """One chunk, as :meth:`ServerClient.infer` (retried the same way)."""
         model = await self._served_model()
         if model.kind == TRITON_SEQUENCE:
@@ -361,7 +425,9 @@ class AsyncServerClient:
                                                   **sequence_arguments(model, stream_id, start, end))
             except Exception as exc:  # noqa: BLE001 - a transport or Triton error
                 raise sequence_failure(exc, self.url, model, start) from None
-            return result.as_numpy(wire.AUDIO).reshape(-1).copy(), int(model.sample_rate or 0)
+            return _handed(result.as_numpy(wire.AUDIO).reshape(-1).copy(), int(model.sample_rate or 0), on_audio)
+        if model.pieces:
+            return await self._infer_pieces(stream_id, mel, start, end, offset, on_audio)
         for _ in range(1 + (self.retries if offset is not None else 0)):
             try:
                 inputs = request_inputs(self._tc, model.in_channels, stream_id, mel, start, end, offset)
@@ -374,7 +440,41 @@ class AsyncServerClient:
                 failure = exc
         else:
             raise ServerError(f"{self.url}: {_short(failure)}") from None
-        return reply_audio(result)
+        return _handed(*reply_audio(result), on_audio)
+
+    async def _infer_pieces(self, stream_id: str, mel: np.ndarray, start: bool, end: bool, offset: int | None,
+                            on_audio: Callable[[np.ndarray], None] | None) -> tuple[np.ndarray, int]:
+        """A chunk through a decoupled server: one gRPC stream for the request, its responses as they come (the
+        request side stays open until the last, so the server never sees the stream half-closed early)."""
+        import asyncio
+
+        inputs = request_inputs(self._tc, self.in_channels, stream_id, mel, start, end, offset)
+        pieces = _Pieces(on_audio)
+        for _ in range(1 + (self.retries if offset is not None else 0)):
+            done = asyncio.Event()
+
+            async def request() -> Any:
+                yield {"model_name": self.model_name, "inputs": inputs}
+                await done.wait()
+
+            pieces.attempt()
+            try:
+                responses = self._client.stream_infer(request(), stream_timeout=self.timeout_s,
+                                                      headers={wire.STREAM_HEADER: stream_id})
+                try:
+                    async for result, error in responses:
+                        if error is not None:
+                            raise error
+                        if pieces.add(result):
+                            return pieces.release()
+                finally:
+                    done.set()
+                raise ServerError(f"{self.url}: the response stream ended before the request's last response")
+            except ServerError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a transport or Triton error
+                failure = exc
+        raise ServerError(f"{self.url}: {_short(failure)}") from None
 
     def stream(self, stream_id: str | None = None) -> "AsyncRemoteStream":
         return AsyncRemoteStream(self, stream_id or uuid.uuid4().hex)
@@ -404,18 +504,27 @@ class AsyncShardedClient(_Shards):
 class AsyncRemoteStream(_StreamState):
     """:class:`RemoteStream` for asyncio: ``await push(chunk)``, ``await push(last, end=True)``."""
 
-    async def push(self, mel: np.ndarray, end: bool = False) -> np.ndarray:
+    async def push(self, mel: np.ndarray, end: bool = False,
+                   on_audio: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
         self._check_open()
         while True:
             try:
                 audio, self.sample_rate = await self.client.infer(self.stream_id, mel, start=not self._started,
-                                                                  end=end, offset=self.frames_sent)
+                                                                  end=end, offset=self.frames_sent,
+                                                                  on_audio=on_audio)
                 break
             except ServerOverloaded:
                 if not self._next_server():
                     raise
         self._pushed(end, np.shape(mel)[-1])
         return audio
+
+
+def _handed(audio: np.ndarray, rate: int, on_audio: Callable[[np.ndarray], None] | None) -> tuple[np.ndarray, int]:
+    """A whole release, also handed to ``on_audio`` (a server that does not send pieces)."""
+    if on_audio is not None and audio.shape[0]:
+        on_audio(audio)
+    return audio, rate
 
 
 def _short(exc: BaseException) -> str:

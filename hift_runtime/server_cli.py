@@ -55,6 +55,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--noise-seed", type=int, default=0, help="seed of the generated noise table (default 0)")
     p.add_argument("--phase", choices=["upstream", "wrapped"], default="upstream",
                    help="carried phase: upstream (default, bit-faithful) or wrapped (more accurate on long streams)")
+    p.add_argument("--audio-pieces", action="store_true",
+                   help="answer each chunk with each step's audio as soon as it is made (a decoupled model: "
+                        "gRPC streaming clients only; HTTP clients are refused)")
     p.add_argument("--triton-log", help="Triton's own log file (default: a file in the temp folder, path printed)")
     # Set by the supervisor of --processes N for each process (its share of the warmup's threads), not by users.
     p.add_argument("--cudnn-threads", type=int, default=None, help=argparse.SUPPRESS)

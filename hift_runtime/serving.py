@@ -150,13 +150,14 @@ def chunk_request(data: dict[str, Any]) -> ChunkRequest:
                         None if offset is None else int(wire.first_value(offset)), problem)
 
 
-def reply_tensors(reply: ChunkReply, rate: np.ndarray) -> dict[str, np.ndarray]:
+def reply_tensors(reply: ChunkReply, rate: np.ndarray, final: bool = True) -> dict[str, np.ndarray]:
     """One reply's output tensors, each with its batch axis (an empty release is one zero sample and ``samples`` 0:
-    some Triton clients cannot carry an empty tensor)."""
+    some Triton clients cannot carry an empty tensor); ``final``: the request's last response."""
     samples = reply.audio.shape[0]
     audio = reply.audio if samples else np.zeros(1, np.float32)
     return {wire.AUDIO: np.ascontiguousarray(audio[None], np.float32), wire.SAMPLES: np.array([[samples]], np.int64),
-            wire.SAMPLE_RATE: rate, wire.ERROR: np.array([[reply.error.encode()]], dtype=object)}
+            wire.SAMPLE_RATE: rate, wire.ERROR: np.array([[reply.error.encode()]], dtype=object),
+            wire.FINAL: np.array([[final]])}
 
 
 class StreamTable:
@@ -200,14 +201,18 @@ class StreamTable:
                 replies[i] = reply
         return replies
 
-    def submit(self, requests: Sequence[ChunkRequest], on_reply: Callable[[int, ChunkReply], None]) -> None:
+    def submit(self, requests: Sequence[ChunkRequest], on_reply: Callable[[int, ChunkReply], None],
+               on_piece: Callable[[int, np.ndarray], None] | None = None) -> None:
         """Serve one batch without waiting for it: ``on_reply(i, reply)`` for request ``i``, called from the table's
         loop thread as soon as its stream's requests of this batch are done (a server that can answer requests one
-        by one takes the next batch meanwhile). Order and refusals as :meth:`handle`."""
+        by one takes the next batch meanwhile). ``on_piece(i, audio)``: each step's audio of request ``i`` as soon as
+        that step is done (from the thread that runs the steps), before its reply. Order and refusals as
+        :meth:`handle`."""
         order = self._by_stream(requests)
 
         async def serve(idx: list[int]) -> None:
-            for i, reply in zip(idx, await self._serve_in_order([requests[i] for i in idx])):
+            pieces = None if on_piece is None else [lambda audio, i=i: on_piece(i, audio) for i in idx]
+            for i, reply in zip(idx, await self._serve_in_order([requests[i] for i in idx], pieces)):
                 try:
                     on_reply(i, reply)
                 except Exception:  # noqa: BLE001 - a reply that cannot be sent: that request's loss alone
@@ -242,7 +247,8 @@ class StreamTable:
     async def _serve_groups(self, groups: list[list[ChunkRequest]]) -> list[list[ChunkReply]]:
         return list(await asyncio.gather(*(self._serve_in_order(g) for g in groups)))
 
-    async def _serve_in_order(self, requests: list[ChunkRequest]) -> list[ChunkReply]:
+    async def _serve_in_order(self, requests: list[ChunkRequest],
+                              pieces: list[Callable[[np.ndarray], None]] | None = None) -> list[ChunkReply]:
         """One stream's requests of a batch, in order, after its requests of batches served before (one lock per
         stream id while some request of it is in flight: a stream's calls never overlap)."""
         sid = requests[0].stream_id
@@ -259,13 +265,14 @@ class StreamTable:
             if not admitted:
                 return refused
             async with entry[0]:
-                return [await self._serve(r) for r in admitted] + refused
+                return [await self._serve(r, None if pieces is None else pieces[k])
+                        for k, r in enumerate(admitted)] + refused
         finally:
             entry[1] -= len(admitted)
             if entry[1] == 0:
                 del self._order[sid]
 
-    async def _serve(self, request: ChunkRequest) -> ChunkReply:
+    async def _serve(self, request: ChunkRequest, on_audio: Callable[[np.ndarray], None] | None = None) -> ChunkReply:
         sid = request.stream_id
         stream = None
         try:
@@ -288,7 +295,8 @@ class StreamTable:
             stream = self._open(sid) if found is None else found
             try:
                 # push + finish as one unit: a failed end request leaves the stream as it was.
-                audio = await (stream.afinish(mel) if request.end else stream.apush(mel))
+                audio = await (stream.afinish(mel, on_audio=on_audio) if request.end
+                               else stream.apush(mel, on_audio=on_audio))
             except Exception:
                 if request.start:  # the stream was never there: the client may start it again
                     stream.close()

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from . import wire
-from .serving import chunk_request, reply_tensors
+from .serving import ChunkReply, chunk_request, reply_tensors
 from .supervision import dies_with_parent
 
 log = logging.getLogger("hift_runtime.triton_python")
@@ -56,18 +56,20 @@ def _tensor(name: str, dtype: str, dims: list[int], ragged: bool = False, option
 
 
 def model_config(model_name: str, *, in_channels: int, max_batch: int, argv: list[str],
-                 opener: str = OPENER, pid_file: str = "") -> str:
+                 opener: str = OPENER, pid_file: str = "", decoupled: bool = False) -> str:
     """The model's ``config.pbtxt``: the wire contract's tensors (:mod:`.wire`), Triton's dynamic batcher, one
     instance (one runtime: its streams' state lives in it), hift-serve's options for the model to open with, and
     the function that opens it (``module:function``; a benchmark's stand-in device names its own), and the file the
-    model writes its process id into (hift-serve watches that process). Triton's
+    model writes its process id into (hift-serve watches that process); ``decoupled``: several responses a request
+    (``--audio-pieces``). Triton's
     batcher takes what is queued without waiting (``--max-wait-ms`` is the step batcher's, in the options)."""
     inputs = [_tensor(wire.STREAM_ID, "TYPE_STRING", [1]),
               _tensor(wire.MEL, "TYPE_FP32", [in_channels, -1], ragged=True),  # chunks of any length in one batch
               _tensor(wire.START, "TYPE_BOOL", [1]), _tensor(wire.END, "TYPE_BOOL", [1]),
               _tensor(wire.OFFSET, "TYPE_INT64", [1], optional=True)]
     outputs = [_tensor(wire.AUDIO, "TYPE_FP32", [-1]), _tensor(wire.SAMPLES, "TYPE_INT64", [1]),
-               _tensor(wire.SAMPLE_RATE, "TYPE_INT32", [1]), _tensor(wire.ERROR, "TYPE_STRING", [1])]
+               _tensor(wire.SAMPLE_RATE, "TYPE_INT32", [1]), _tensor(wire.ERROR, "TYPE_STRING", [1]),
+               _tensor(wire.FINAL, "TYPE_BOOL", [1])]
     return "\n".join([
         f'name: "{model_name}"', 'backend: "python"', f"max_batch_size: {max_batch}",
         # Triton's batcher does not wait: the one instance is busy while a batch steps, and the requests that arrive
@@ -75,18 +77,20 @@ def model_config(model_name: str, *, in_channels: int, max_batch: int, argv: lis
         "dynamic_batching { max_queue_delay_microseconds: 0 }",
         "input [", ",\n".join(inputs), "]", "output [", ",\n".join(outputs), "]",
         "instance_group [ { count: 1 kind: KIND_CPU } ]",
+        *(["model_transaction_policy { decoupled: true }"] if decoupled else []),
         f"parameters {{ key: \"hift_serve_argv\" value: {{ string_value: {json.dumps(json.dumps(argv))} }} }}",
         f"parameters {{ key: \"hift_serve_opener\" value: {{ string_value: {json.dumps(opener)} }} }}",
         f"parameters {{ key: \"hift_serve_pid_file\" value: {{ string_value: {json.dumps(pid_file)} }} }}", ""])
 
 
 def write_repository(folder: Path, model_name: str, *, in_channels: int, max_batch: int, argv: list[str],
-                     opener: str = OPENER, pid_file: str = "") -> Path:
+                     opener: str = OPENER, pid_file: str = "", decoupled: bool = False) -> Path:
     """``folder/<model_name>/{config.pbtxt, 1/model.py}``; returns ``folder``."""
     model = folder / model_name
     (model / "1").mkdir(parents=True, exist_ok=True)
     (model / "config.pbtxt").write_text(model_config(model_name, in_channels=in_channels, max_batch=max_batch,
-                                                     argv=argv, opener=opener, pid_file=pid_file))
+                                                     argv=argv, opener=opener, pid_file=pid_file,
+                                                     decoupled=decoupled))
     # This interpreter's import path (its venv's site-packages, PYTHONPATH): the stub embeds the same Python but not
     # necessarily the same environment.
     package_root = str(Path(__file__).resolve().parent.parent)
@@ -122,7 +126,7 @@ def launch(args: Any, argv: list[str], in_channels: int, folder: Path, log_file:
     binary, backends, libs = tritonserver_files(folder)
     repository = write_repository(folder / "models", wire.MODEL_NAME, in_channels=in_channels,
                                   max_batch=args.max_batch, argv=argv, opener=opener,
-                                  pid_file=str(model_pid_file(folder)))
+                                  pid_file=str(model_pid_file(folder)), decoupled=args.audio_pieces)
     env = dict(os.environ)
     shared_libpython_env(env, [str(libs)])
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
@@ -208,6 +212,7 @@ class TritonPythonModel:
         tune_garbage_collector()  # warm: what lives now lives as long as the model
         self.state_metrics = serve_state_metrics(self.table, options.state_metrics_port, options.host)
         self.rate = np.array([[self.vocoder.constants.sample_rate]], np.int32)
+        self.pieces = options.audio_pieces
         self._replies: queue.SimpleQueue = queue.SimpleQueue()
         self._replier = threading.Thread(target=self._send_replies, name="hift-replies", daemon=True)
         self._replier.start()
@@ -219,19 +224,31 @@ class TritonPythonModel:
         pb = self._pb
         chunks = [chunk_request({name: _input(pb, r, name) for name in wire.INPUTS}) for r in requests]
         senders = [r.get_response_sender() for r in requests]
-        self.table.submit(chunks, lambda i, reply: self._replies.put((senders[i], reply)))
+        if not self.pieces:
+            self.table.submit(chunks, lambda i, reply: self._replies.put((senders[i], reply, True)))
+            return None
+        sent = [0] * len(requests)  # samples each request's pieces carried: its final reply carries the rest
+
+        def piece(i: int, audio: np.ndarray) -> None:
+            sent[i] += audio.shape[0]
+            self._replies.put((senders[i], ChunkReply(audio), False))
+
+        def reply(i: int, done: ChunkReply) -> None:
+            self._replies.put((senders[i], ChunkReply(done.audio[sent[i]:], done.error), True))
+
+        self.table.submit(chunks, reply, piece)
         return None
 
     def _send_replies(self) -> None:
         """The replier thread: a send is a blocking round trip to tritonserver, kept off the table's event loop (on
         it, sends took a fifth of the stub's time at K = 384 on two cores and stalled the pushes behind them)."""
         pb = self._pb
-        final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         while (item := self._replies.get()) is not None:
-            sender, reply = item
+            sender, reply, final = item
             try:
                 sender.send(pb.InferenceResponse(output_tensors=[
-                    pb.Tensor(name, value) for name, value in reply_tensors(reply, self.rate).items()]), flags=final)
+                    pb.Tensor(name, value) for name, value in reply_tensors(reply, self.rate, final).items()]),
+                    flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
             except Exception:  # noqa: BLE001 - that request's loss alone (its client times out)
                 log.exception("a reply could not be sent")
 

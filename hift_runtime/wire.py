@@ -16,8 +16,12 @@ is refused; ids are compared as bytes. A stream may have at most 8 requests in f
 refused at once.
 
 Reply: ``audio`` FP32 ``[N]`` whose first ``samples`` (INT64 ``[1]``) values are the audio this chunk released (an
-empty release comes back as one padding sample with ``samples = 0``), ``sample_rate`` INT32 ``[1]``, and ``error``
-BYTES ``[1]``: empty, or why the request was refused (the runtime's message; every stream's state is unchanged).
+empty release comes back as one padding sample with ``samples = 0``), ``sample_rate`` INT32 ``[1]``, ``error``
+BYTES ``[1]``: empty, or why the request was refused (the runtime's message; every stream's state is unchanged), and
+``final`` BOOL ``[1]``: the request's last response. A server started with ``--audio-pieces`` is a decoupled model
+(gRPC streaming only): it answers a request with one response per step's audio as soon as the step is done, then a
+``final`` one with the rest (the audio of all of them joined is the release); a resend of the chunk applied last
+gets its whole release in one final response.
 Refusals travel in ``error`` because a Python-backend model can only fail a whole batch, which would fail the other
 streams' requests batched with it; the client raises them as :class:`ServerError`. A start refused because the
 server holds its ``--max-streams`` begins with :data:`OVERLOADED` (the client raises :class:`ServerOverloaded`: the
@@ -36,7 +40,7 @@ MODEL_NAME = "hift_vocoder"
 STREAM_HEADER = "hift-stream-id"
 STREAM_ID, MEL, START, END, OFFSET = "stream_id", "mel", "start", "end", "offset"
 INPUTS = (STREAM_ID, MEL, START, END, OFFSET)
-AUDIO, SAMPLES, SAMPLE_RATE, ERROR = "audio", "samples", "sample_rate", "error"
+AUDIO, SAMPLES, SAMPLE_RATE, ERROR, FINAL = "audio", "samples", "sample_rate", "error", "final"
 DEFAULT_HTTP_PORT, DEFAULT_GRPC_PORT, DEFAULT_METRICS_PORT = 8000, 8001, 8002
 DEFAULT_STATE_METRICS_PORT = 8003  # hift-serve's own metrics, beside Triton's (server_metrics.py)
 

@@ -164,7 +164,7 @@ def test_a_sharded_stream_refused_for_room_starts_on_the_next_server_and_stays_t
         def __init__(self, url: str, full: bool) -> None:
             self.url, self.full, self.calls = url, full, []
 
-        def infer(self, stream_id, mel, start, end, offset=None):
+        def infer(self, stream_id, mel, start, end, offset=None, on_audio=None):
             self.calls.append((stream_id, start, end))
             if self.full and start:
                 raise wire.ServerOverloaded(f"{wire.OVERLOADED}stream {stream_id!r}: 2 streams are open, the limit")
@@ -195,7 +195,7 @@ def test_a_sharded_stream_refused_for_room_starts_on_the_next_server_and_stays_t
     from hift_runtime.client import AsyncShardedClient
 
     class FakeAsyncServer(FakeServer):  # the asyncio client's streams: the same bookkeeping, awaited
-        async def infer(self, stream_id, mel, start, end, offset=None):
+        async def infer(self, stream_id, mel, start, end, offset=None, on_audio=None):
             return FakeServer.infer(self, stream_id, mel, start, end, offset)
 
     aclient = AsyncShardedClient.__new__(AsyncShardedClient)
@@ -595,11 +595,13 @@ def test_a_model_that_fails_to_load_is_said_in_one_line():
 
 
 def test_retired_options_are_refused_in_one_line(capsys):
-    """hift-serve lists deployer options only (at most 20); the retired experiments' flags are unknown options."""
+    """hift-serve lists deployer options only (at most 21 with --help: the 19 of the restructure, and --audio-pieces,
+    the choice between whole releases for any client and pieces for gRPC streaming ones); the retired experiments'
+    flags are unknown options."""
     from hift_runtime.server_cli import parser
 
     listed = [a for a in parser()._actions if a.help != "==SUPPRESS=="]
-    assert len(listed) <= 20, [a.option_strings for a in listed]
+    assert len(listed) <= 21, [a.option_strings for a in listed]
     for retired in ("--instances", "--frontend", "--call-lanes", "--step-window", "--cudnn-algorithms"):
         with pytest.raises(SystemExit):
             parser().parse_args(["--artifacts", "a", retired, "2"])
@@ -667,3 +669,45 @@ def test_a_missing_export_is_said_before_a_busy_port(tmp_path, capsys):
         f"hift-serve: error: artifacts folder {str(tmp_path / 'missing')!r} does not exist; run hift-export --out "
         f"{tmp_path / 'missing'} first"]
 
+
+
+@pytest.fixture(scope="module")
+def pieces_server(small_artifacts, tmp_path_factory):
+    yield from _live_server(small_artifacts, tmp_path_factory, ["--audio-pieces"])
+
+
+def test_a_pieces_server_sends_each_steps_audio_as_it_is_made(pieces_server, vocoder):
+    """``--audio-pieces``: a 100-frame chunk (steps of at most 24 frames on the CPU) comes back as several responses
+    as its steps are done, joined the release, sync and asyncio alike; a resend gets the whole release once more; an
+    HTTP client is refused in one line (decoupled models need gRPC streaming)."""
+    import asyncio
+
+    from hift_runtime.client import AsyncServerClient, ServerClient
+    from hift_runtime.wire import ServerError
+
+    mel = _mel(np.random.default_rng(31), 150)
+    want = vocoder.vocode(mel)
+    client = ServerClient(pieces_server["grpc"])
+    assert client.model.pieces
+    stream, pieces = client.stream("pieces-1"), []
+    first = stream.push(mel[:, :100], on_audio=pieces.append)
+    assert len(pieces) >= 3 and np.array_equal(np.concatenate(pieces), first)
+    again, _ = client.infer("pieces-1", mel[:, :100], start=True, end=False, offset=0)  # a resend: applied once
+    assert np.array_equal(again, first)
+    rest = stream.push(mel[:, 100:], end=True, on_audio=pieces.append)
+    assert max_abs(np.concatenate([first, rest]), want) <= SERVED_TOLERANCE
+    assert max_abs(np.concatenate(pieces), want) <= SERVED_TOLERANCE
+    client.close()
+    with pytest.raises(ServerError, match="needs gRPC streaming"):
+        ServerClient(pieces_server["http"]).stream().push(mel[:, :10])
+
+    async def asynchronously() -> tuple[np.ndarray, list]:
+        aclient, got = AsyncServerClient(pieces_server["grpc"]), []
+        astream = aclient.stream()
+        audio = [await astream.push(mel[:, :100], on_audio=got.append),
+                 await astream.push(mel[:, 100:], end=True, on_audio=got.append)]
+        await aclient.close()
+        return np.concatenate(audio), got
+
+    audio, got = asyncio.run(asynchronously())
+    assert len(got) >= 4 and max_abs(audio, want) <= SERVED_TOLERANCE and np.array_equal(np.concatenate(got), audio)
