@@ -74,9 +74,10 @@ class _Served:
     def __init__(self, artifacts: str, device: str, max_batch: int, wait_ms: float, log: Path,
                  engine: str = "ort", precision: str = "fp32",
                  stand_in: list[str] | None = None, max_streams: int | None = None,
-                 processes: int = 1) -> None:
+                 processes: int = 1, pieces: bool = False) -> None:
         """``stand_in``: options of ``modelled_server.py`` (hift-serve over a stand-in device) instead of the real
-        server over the export's engine. ``max_streams``: each process's ``--max-streams``."""
+        server over the export's engine. ``max_streams``: each process's ``--max-streams``. ``pieces``: hift-serve
+        ``--audio-pieces``."""
         import socket
         import sys
 
@@ -105,7 +106,8 @@ class _Served:
                  "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
                  "--max-batch", str(max_batch), "--max-wait-ms", str(wait_ms),
                  "--engine", engine, "--precision", precision, "--state-metrics-port", str(ports[3]),
-                 *(["--max-streams", str(max_streams)] if max_streams else [])],
+                 *(["--max-streams", str(max_streams)] if max_streams else []),
+                 *(["--audio-pieces"] if pieces else [])],
                 stdout=server_log.open("w"), stderr=subprocess.STDOUT, env=env))
             self.metrics_urls.append(f"http://127.0.0.1:{ports[2]}/metrics")
             self.state_urls.append(f"http://127.0.0.1:{ports[3]}/metrics")
@@ -325,7 +327,7 @@ def run_k(vocoder, k: int, seconds: float, clients: str = "threads", collections
                 await asyncio.sleep(max(0.0, due - time.monotonic()))
                 called = time.monotonic()
                 pieces: list[tuple[float, int]] = []
-                if aclients is None and schedule == "cosyvoice3":
+                if schedule == "cosyvoice3":  # served: pieces where the server sends them, else the whole release
                     out = await push(mel[:, pos:pos + size], end=end,
                                      on_audio=lambda a, pieces=pieces: pieces.append((time.monotonic(), a.shape[0])))
                 else:
@@ -551,6 +553,8 @@ def main() -> None:
     p.add_argument("--served-max-batch", type=int, default=256, help="hift-serve --max-batch (served config)")
     p.add_argument("--served-wait-ms", type=float, default=2.0,
                    help="hift-serve --max-wait-ms (served config; also the modelled configs' step batcher wait)")
+    p.add_argument("--served-audio-pieces", action="store_true",
+                   help="hift-serve --audio-pieces (served config): each step's audio as it is made, timed as in process")
     p.add_argument("--served-processes", type=int, default=1,
                    help="hift-serve processes sharing the device (served config): each stream goes to the one its id "
                         "picks, as ShardedClient does; --max-streams is shared out among them (default 1)")
@@ -615,7 +619,7 @@ def main() -> None:
             vocoder = _Served(args.artifacts, args.device, args.served_max_batch, args.served_wait_ms,
                               Path(args.out).with_suffix(".served.log"), args.engine, args.precision, stand_in,
                               args.max_streams and -(-args.max_streams // args.served_processes),
-                              args.served_processes)
+                              args.served_processes, args.served_audio_pieces)
         elif name.startswith("modelled"):  # the scheduler over a modelled H200 (host_path.ModelledDevice), any host
             from modelled_server import stand_in_vocoder
 

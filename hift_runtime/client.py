@@ -73,9 +73,10 @@ def served_model(url: str, name: str, metadata: dict[str, Any], config: Any) -> 
         raise ServerError(f"model {name!r} at {url} speaks neither hift-serve's protocol nor "
                           f"{wire.SEQUENCE_PROTOCOL!r} (its {wire.PARAM_PROTOCOL!r} parameter is "
                           f"{params.get(wire.PARAM_PROTOCOL)!r}); export the repository again with this version")
-    return ServedModel(TRITON_SEQUENCE, channels, int(params[wire.PARAM_SAMPLE_RATE]),
-                       int(params[wire.PARAM_MAX_CHUNK_FRAMES]), int(params[wire.PARAM_MAX_STREAMS]),
-                       int(params[wire.PARAM_START_TIMEOUT_US]))
+    return ServedModel(TRITON_SEQUENCE, channels, sample_rate=int(params[wire.PARAM_SAMPLE_RATE]),
+                       max_chunk_frames=int(params[wire.PARAM_MAX_CHUNK_FRAMES]),
+                       max_streams=int(params[wire.PARAM_MAX_STREAMS]),
+                       start_timeout_us=int(params[wire.PARAM_START_TIMEOUT_US]))
 
 
 def checked_chunk(mel: np.ndarray, in_channels: int) -> np.ndarray:
