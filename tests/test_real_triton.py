@@ -37,14 +37,14 @@ TOLERANCE = 1e-6  # the offline pass's own tolerance for streamed audio (test_tr
 
 @contextlib.contextmanager
 def served(repo, log):
-    """A real tritonserver on ``repo``; yields its gRPC address."""
+    """A real tritonserver on ``repo``; yields its gRPC address and its HTTP URL."""
     http, grpc, metrics = _free_ports(3)
     started = subprocess.run(["bash", str(SERVE), str(repo), str(http), str(grpc), str(metrics), str(log)],
                              env={**os.environ, "WAIT_READY": "120"}, capture_output=True, text=True, timeout=180)
     pid = int(started.stdout.strip().splitlines()[0]) if started.stdout.strip() else None
     try:
         assert started.returncode == 0, (started.stderr + log.read_text(errors="replace"))[-3000:]
-        yield f"127.0.0.1:{grpc}"
+        yield f"127.0.0.1:{grpc}", f"http://127.0.0.1:{http}"
     finally:
         if pid is not None:
             os.kill(pid, signal.SIGTERM)
@@ -59,15 +59,15 @@ def served(repo, log):
 @pytest.fixture(scope="module")
 def triton(small_artifacts, tmp_path_factory):
     """A real tritonserver on a repository with short timings for these tests (8 streams, 3 s idle time, 0.5 s START
-    timeout, 64-frame chunks); yields ``(grpc address, log path)``."""
+    timeout, 64-frame chunks); yields ``(grpc address, log path, HTTP URL)``."""
     from hift_export.triton_repo import write_triton_repository
 
     folder = tmp_path_factory.mktemp("real-triton")
     write_triton_repository(read_manifest(small_artifacts.out), folder / "repo", max_streams=STREAMS,
                             idle_us=int(IDLE_S * 1e6), start_timeout_us=int(START_TIMEOUT_S * 1e6),
                             max_chunk_frames=MAX_CHUNK, log=lambda _: None)
-    with served(folder / "repo", folder / "triton.log") as address:
-        yield address, folder / "triton.log"
+    with served(folder / "repo", folder / "triton.log") as (address, http):
+        yield address, folder / "triton.log", http
 
 
 @pytest.fixture(scope="module")
@@ -99,18 +99,25 @@ def test_the_exported_repository_serves_hift_vocode_exactly(small_artifacts, loc
     mel = random_mel(230, seed=4)
     np.save(tmp_path / "mel.npy", mel)
     log = tmp_path / "triton.log"
-    with served(small_artifacts.out.parent / "triton-repo", log) as address:
+    with served(small_artifacts.out.parent / "triton-repo", log) as (address, _):
         assert "hift_vocoder_0_0 (CPU device 0)" in log.read_text(errors="replace")
         assert main(["--mel", str(tmp_path / "mel.npy"), "--server", address, "--chunks", "50,100,200",
                      "--out", str(tmp_path / "served.npy")]) == 0
     assert max_abs(np.load(tmp_path / "served.npy").reshape(-1), local.vocode(mel)) <= TOLERANCE
 
 
-def test_the_clients_tell_the_stock_model_apart(triton):
-    from hift_runtime.client import TRITON_SEQUENCE
+def test_the_clients_tell_the_stock_model_apart(triton, local):
+    """gRPC and HTTP alike: the client reads the stock model's constants from its config and streams exactly."""
+    from hift_runtime.client import TRITON_SEQUENCE, ServerClient
 
-    model = _client(triton).model
-    assert model.kind == TRITON_SEQUENCE and model.max_streams == STREAMS and model.sample_rate == 24000
+    mel = random_mel(60, seed=12)
+    for url in (triton[0], triton[2]):
+        client = ServerClient(url)
+        model = client.model
+        assert model.kind == TRITON_SEQUENCE and model.max_streams == STREAMS and model.sample_rate == 24000
+        stream = client.stream()
+        audio = np.concatenate([stream.push(mel[:, :25]), stream.push(mel[:, 25:], end=True)])
+        assert max_abs(audio, local.vocode(mel)) <= TOLERANCE, url
 
 
 def test_eight_concurrent_ragged_streams_equal_the_in_process_stream(triton, local):
