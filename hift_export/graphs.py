@@ -15,17 +15,10 @@ from hift_model.f0_predictor import CausalF0Predictor
 from hift_model.generator import CausalHiFTGenerator
 from hift_model.step import f0_cache_layout, f0_step, generator_cache_layout, generator_step
 
-CACHE_PREFIX = "cache."
-NEXT_PREFIX = "next."
 GENERATOR_STEP_INPUTS = ("mel", "f0", "noise", "phase_in", "first")
 GENERATOR_STEP_OUTPUTS = ("audio", "phase_out")
 F0_STEP_INPUTS = ("mel",)
 F0_STEP_OUTPUTS = ("f0",)
-
-
-def cache_io_names(layout: list[dict]) -> tuple[list[str], list[str]]:
-    """(input names, output names) of a cache layout."""
-    return [CACHE_PREFIX + e["name"] for e in layout], [NEXT_PREFIX + e["name"] for e in layout]
 
 
 class GeneratorStepGraph(nn.Module):

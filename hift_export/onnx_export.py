@@ -14,12 +14,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from hift_runtime.contract import NEXT_PREFIX, cache_io_names
 from hift_runtime.manifest import (F0_STEP, FORMAT_VERSION, GENERATOR_STEP, GENERATOR_STEP_FINAL,
                                    GENERATOR_STEP_FINAL_SLOTS, GENERATOR_STEP_SLOTS, GENERATOR_WEIGHTS, METADATA_PREFIX)
 
 from hift_model.config import HiFTConfig
-from .graphs import (F0_STEP_INPUTS, F0_STEP_OUTPUTS, GENERATOR_STEP_INPUTS, GENERATOR_STEP_OUTPUTS, NEXT_PREFIX,
-                     F0StepGraph, GeneratorStepGraph, cache_io_names)
+from .graphs import (F0_STEP_INPUTS, F0_STEP_OUTPUTS, GENERATOR_STEP_INPUTS, GENERATOR_STEP_OUTPUTS, F0StepGraph,
+                     GeneratorStepGraph)
 from hift_model.model import HiFT
 from .slots import slotted_model
 from hift_model.step import f0_cache_layout, generator_cache_layout

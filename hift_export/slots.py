@@ -26,9 +26,9 @@ from typing import Any
 
 import numpy as np
 
+from hift_runtime.contract import CACHE_PREFIX, NEXT_PREFIX
 from hift_runtime.manifest import POOL_OUTPUT, SLOT_INPUTS
 
-from .graphs import CACHE_PREFIX, NEXT_PREFIX
 from hift_model.step import pool_row_floats
 
 

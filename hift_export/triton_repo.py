@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from hift_runtime import wire
-from hift_runtime.contract import StreamConstants
+from hift_runtime.contract import StreamConstants, cache_io_names
 from hift_runtime.manifest import F0_STEP, GENERATOR_STEP, GENERATOR_STEP_FINAL, Manifest, triton_type
 
 MODEL, MEL, AUDIO, END = wire.MODEL_NAME, wire.MEL, wire.AUDIO, wire.SEQUENCE_END
@@ -191,19 +191,20 @@ def vocoder_graph(step: Any, final: Any, f0: Any, constants: StreamConstants, ge
     weights = _Weights(inits)
     b = _Builder("v/", inits)
     zero, big = b.i64(0), b.i64(1 << 62)
-    gen_in = ["cache." + e["name"] for e in gen_layout]
-    f0_in = ["cache." + e["name"] for e in f0_layout]
+    gen_in, gen_next = cache_io_names(gen_layout)
+    f0_in, f0_next = cache_io_names(f0_layout)
 
     # Where the stream stands: n frames received, the generator done up to ``base`` (n less the mel look-ahead), F0 up
     # to ``f0_end``; this request brings ``count`` frames.
     n = b.op("Reshape", [STATE_FRAMES, b.i64(-1)])  # [1]
-    count = b.slice(b.op("Shape", [MEL]), b.i64(2), b.i64(3), 0)
+    mel_shape = b.op("Shape", [MEL])
+    count = b.slice(mel_shape, b.i64(2), b.i64(3), 0)
     # A chunk longer than the stated maximum fails here, before anything is computed (Triton keeps the state).
     refused = b.op("Where", [b.op("Greater", [count, b.i64(max_chunk_frames)]), b.i64(2), b.i64(1)])
     check = b.op("Reshape", [zero, refused], node_name=f"refused: a chunk holds more than {max_chunk_frames} frames")
     n_new = b.op("Add", [b.op("Add", [n, count]), check])
     end = b.op("Reshape", [END, b.i64(-1)])
-    batch = b.slice(b.op("Shape", [MEL]), zero, b.i64(1), 0)
+    batch = b.slice(mel_shape, zero, b.i64(1), 0)
     base = b.op("Max", [zero, b.op("Sub", [n, b.i64(look)])])
     mel_cat = b.op("Concat", [STATE_MEL, MEL], axis=2)  # frames [n - look, n_new)
     mel_all = b.slice(mel_cat, b.op("Sub", [b.i64(look), b.op("Sub", [n, base])]), big, 2)  # [base, n_new)
@@ -230,7 +231,7 @@ def vocoder_graph(step: Any, final: Any, f0: Any, constants: StreamConstants, ge
         window = bb.op("Concat", [window, bb.op("ConstantOfShape", [pad], value=helper.make_tensor(
             "zero", TP.FLOAT, [1], [0.0]))], axis=2)
         out = _inline(bb, f0.graph, weights, {"mel": window, **{k: k for k in f0_in}})
-        return [out["f0"]] + [out["next." + e["name"]] for e in f0_layout]
+        return [out["f0"]] + [out[name] for name in f0_next]
 
     f0_types = [TP.FLOAT] + [onnx_type[e["dtype"]] for e in f0_layout]
     do_f0 = b.op("Greater", [target, f0_end])
@@ -250,7 +251,7 @@ def vocoder_graph(step: Any, final: Any, f0: Any, constants: StreamConstants, ge
             "noise": _noise(bb, rows(bb, base, TP.INT64), steps, seed, c.noise_table_length, c.num_sines, spf),
             "phase_in": STATE_PHASE, "first": rows(bb, bb.op("Equal", [base, zero]), TP.BOOL),
             **{k: k for k in gen_in}})
-        return [drop_lag(bb, out["audio"], base), out["phase_out"]] + [out["next." + e["name"]] for e in gen_layout]
+        return [drop_lag(bb, out["audio"], base), out["phase_out"]] + [out[name] for name in gen_next]
 
     gen_types = [TP.FLOAT, TP.DOUBLE] + [onnx_type[e["dtype"]] for e in gen_layout]
     do_gen = b.op("Greater", [limit, base])
@@ -278,8 +279,8 @@ def vocoder_graph(step: Any, final: Any, f0: Any, constants: StreamConstants, ge
         NEXT_STATE + STATE_FRAMES: b.op("Reshape", [n_new, b.i64(-1, 1)]),
         NEXT_STATE + STATE_F0: b.slice(b.op("Concat", [STATE_F0, f0_out[0]], axis=1), b.i64(-1), big, 1),
         NEXT_STATE + STATE_PHASE: gen_out[1],
-        **{"next." + e["name"]: v for e, v in zip(gen_layout, gen_out[2:])},
-        **{"next." + e["name"]: v for e, v in zip(f0_layout, f0_out[1:])},
+        **dict(zip(gen_next, gen_out[2:])),
+        **dict(zip(f0_next, f0_out[1:])),
     }
     for name, value in outputs.items():
         b.nodes.append(helper.make_node("Identity", [value], [name], name=f"out/{name}"))
@@ -305,8 +306,9 @@ def _states(c: StreamConstants, gen_layout: list[dict[str, Any]], f0_layout: lis
     own = [(STATE_MEL, "float32", [c.in_channels, c.mel_look_ahead]), (STATE_FRAMES, "int64", [1]),
            (STATE_F0, "float32", [1]), (STATE_PHASE, "float64", [c.num_sines])]
     states = [{"input": name, "output": NEXT_STATE + name, "dtype": dtype, "dims": dims} for name, dtype, dims in own]
-    return states + [{"input": "cache." + e["name"], "output": "next." + e["name"], "dtype": e["dtype"],
-                      "dims": list(e["shape"])} for e in gen_layout + f0_layout]
+    layout = gen_layout + f0_layout
+    return states + [{"input": name, "output": out, "dtype": e["dtype"], "dims": list(e["shape"])}
+                     for name, out, e in zip(*cache_io_names(layout), layout)]
 
 
 def config_pbtxt(constants: StreamConstants, states: list[dict[str, Any]], *, max_streams: int,

@@ -107,6 +107,11 @@ def sequence_arguments(model: ServedModel, stream_id: str, start: bool, end: boo
     return args
 
 
+def sequence_audio(result: Any, model: ServedModel) -> tuple[np.ndarray, int]:
+    """``(audio, sample_rate)`` of a stock-Triton reply: its whole ``audio`` is the release."""
+    return result.as_numpy(wire.AUDIO).reshape(-1).copy(), int(model.sample_rate or 0)
+
+
 def sequence_failure(exc: BaseException, url: str, model: ServedModel, start: bool) -> ServerError:
     """A stock Triton's refusal as the client raises it: a START whose wait for a slot ran out is
     :class:`ServerOverloaded` (nothing opened), anything else a :class:`ServerError` with Triton's message."""
@@ -201,7 +206,7 @@ class ServerClient:
                                             **sequence_arguments(self.model, stream_id, start, end), **self._timeout())
             except Exception as exc:  # noqa: BLE001 - a transport or Triton error
                 raise sequence_failure(exc, self.url, self.model, start) from None
-            return _handed(result.as_numpy(wire.AUDIO).reshape(-1).copy(), int(self.model.sample_rate or 0), on_audio)
+            return _handed(*sequence_audio(result, self.model), on_audio)
         inputs = request_inputs(self._tc, self.in_channels, stream_id, mel, start, end, offset)
         if self.model.pieces:
             return self._infer_pieces(inputs, stream_id, offset, on_audio)
@@ -390,8 +395,7 @@ class AsyncServerClient:
     """The gRPC client for asyncio code (``tritonclient.grpc.aio``): ``await client.stream().push(chunk, end=...)``;
     many streams as tasks of one event loop, no thread each. Create and use it inside the running loop."""
 
-    def __init__(self, url: str, model_name: str = wire.MODEL_NAME, timeout_s: float = 60.0,
-                 in_channels: int | None = None, retries: int = 2) -> None:
+    def __init__(self, url: str, model_name: str = wire.MODEL_NAME, timeout_s: float = 60.0, retries: int = 2) -> None:
         scheme, address = _parse_url(url)
         if scheme != "grpc":
             raise ServerError(f"server address {url!r}: the asyncio client speaks gRPC (HOST:PORT or grpc://...)")
@@ -400,8 +404,9 @@ class AsyncServerClient:
 
         self.url, self.model_name, self.timeout_s, self.retries, self._tc = url, model_name, timeout_s, retries, tc
         self._client = aio.InferenceServerClient(address)
-        self.in_channels = in_channels  # read from the model's metadata at the first chunk when not given
-        self.model: ServedModel | None = None  # likewise
+        # Read from the model's metadata and config at the first chunk (created in a loop, it awaits nothing before).
+        self.model: ServedModel | None = None
+        self.in_channels: int | None = None
 
     async def _served_model(self) -> ServedModel:
         if self.model is None:
@@ -426,9 +431,9 @@ class AsyncServerClient:
                                                   **sequence_arguments(model, stream_id, start, end))
             except Exception as exc:  # noqa: BLE001 - a transport or Triton error
                 raise sequence_failure(exc, self.url, model, start) from None
-            return _handed(result.as_numpy(wire.AUDIO).reshape(-1).copy(), int(model.sample_rate or 0), on_audio)
+            return _handed(*sequence_audio(result, model), on_audio)
         if model.pieces:
-            return await self._infer_pieces(stream_id, mel, start, end, offset, on_audio)
+            return await self._infer_pieces(model, stream_id, mel, start, end, offset, on_audio)
         for _ in range(1 + (self.retries if offset is not None else 0)):
             try:
                 inputs = request_inputs(self._tc, model.in_channels, stream_id, mel, start, end, offset)
@@ -443,13 +448,13 @@ class AsyncServerClient:
             raise ServerError(f"{self.url}: {_short(failure)}") from None
         return _handed(*reply_audio(result), on_audio)
 
-    async def _infer_pieces(self, stream_id: str, mel: np.ndarray, start: bool, end: bool, offset: int | None,
-                            on_audio: Callable[[np.ndarray], None] | None) -> tuple[np.ndarray, int]:
+    async def _infer_pieces(self, model: ServedModel, stream_id: str, mel: np.ndarray, start: bool, end: bool,
+                            offset: int | None, on_audio: Callable[[np.ndarray], None] | None) -> tuple[np.ndarray, int]:
         """A chunk through a decoupled server: one gRPC stream for the request, its responses as they come (the
         request side stays open until the last, so the server never sees the stream half-closed early)."""
         import asyncio
 
-        inputs = request_inputs(self._tc, self.in_channels, stream_id, mel, start, end, offset)
+        inputs = request_inputs(self._tc, model.in_channels, stream_id, mel, start, end, offset)
         pieces = _Pieces(on_audio)
         for _ in range(1 + (self.retries if offset is not None else 0)):
             done = asyncio.Event()

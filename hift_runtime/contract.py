@@ -8,6 +8,14 @@ from typing import Any
 
 import numpy as np
 
+# A step graph's cache inputs and outputs: these prefixes and the layout's names.
+CACHE_PREFIX, NEXT_PREFIX = "cache.", "next."
+
+
+def cache_io_names(layout: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
+    """(input names, output names) of a manifest's cache layout."""
+    return [CACHE_PREFIX + e["name"] for e in layout], [NEXT_PREFIX + e["name"] for e in layout]
+
 
 @dataclass(frozen=True)
 class CacheSpec:

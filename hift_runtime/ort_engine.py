@@ -12,7 +12,7 @@ from typing import Any, Literal
 import numpy as np
 import onnxruntime as ort
 
-from .contract import CacheSpec, StreamConstants
+from .contract import CACHE_PREFIX, NEXT_PREFIX, CacheSpec, StreamConstants
 from .engine import EngineTraits, pad_rows, padded_batch
 from .gpus import nvidia_driver_present
 from .manifest import (F0_STEP, GENERATOR_STEP, GENERATOR_STEP_FINAL, GENERATOR_STEP_FINAL_SLOTS,
@@ -25,7 +25,6 @@ Device = Literal["auto", "cuda", "cpu"]
 ORT_PRECISIONS = ("fp32", "tf32")
 CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
-CACHE_PREFIX, NEXT_PREFIX = "cache.", "next."
 # A push becomes generator steps of these sizes on the CUDA EP, so the GPU sees a few fixed shapes, each a CUDA graph
 # (the CUDA EP rebuilds every convolution's cuDNN state at a new shape); 1 is among them, so any count splits.
 ORT_STEP_SIZES = (24, 16, 8, 4, 2, 1)

@@ -548,33 +548,30 @@ class VocoderStream:
         f0_window = mel[:, f0_end - base:]  # frames [f0_end, target + look-ahead)
         if final and f0_sizes_left:
             f0_window = np.concatenate([f0_window, np.zeros((c.in_channels, c.f0_look_ahead), np.float32)], axis=1)
-        f0_from = f0_end  # the window's first frame
-        pieces_f0, f0_known, f0_calls = [f0], f0_end, 0  # F0 is known for frames [base, f0_known)
+        f0_known, f0_calls = f0_end, 0  # F0 is known for frames [base, f0_known)
 
         def f0_up_to(frame: int) -> Generator[StepCall, Any, None]:
             """The planned F0 calls until F0 is known up to ``frame`` (all of them past ``target``)."""
             nonlocal f0, f0_caches, f0_known, f0_calls
-            start = f0_known
+            new = []
             while f0_known < frame and f0_calls < len(f0_sizes_left):
-                size, at = f0_sizes_left[f0_calls], f0_known - f0_from
+                size, at = f0_sizes_left[f0_calls], f0_known - f0_end
                 if self._f0_in_place:
                     self._caches_written = True  # as for the generator's steps (_generator_call)
                 out, f0_caches = yield StepCall(
                     "f0", (np.ascontiguousarray(f0_window[None, :, at:at + size + c.f0_look_ahead]), f0_caches),
                     self._f0_in_place)
-                pieces_f0.append(out[0])
+                new.append(out[0])
                 f0_known += size
                 f0_calls += 1
-            if f0_known > start:
-                f0 = concat_rows(pieces_f0)
-                del pieces_f0[1:]
-                pieces_f0[0] = f0
+            if new:
+                f0 = concat_rows([f0, *new])
 
         # 2. Generator steps up to where mel look-ahead and source look-ahead are known; on finish, one final step.
         phase, caches = self._phase, self._gen_caches
         position, pieces, steps = base, [], []
-        f0_end = max(f0_end, target)
-        limit = min(n - c.mel_look_ahead, f0_end - c.source_look_ahead)
+        f0_target = max(f0_end, target)  # F0 is known this far once the push's F0 calls are made
+        limit = min(n - c.mel_look_ahead, f0_target - c.source_look_ahead)
         window, step_window = (self._v.final_window if final else None), self._v.step_window
         if window is not None:  # the generator only as far as the window's start, in steps of the largest size
             unit = self._v.steps_before_final_window or 1
@@ -593,7 +590,7 @@ class VocoderStream:
             self._hand_out(pieces[-1], on_audio)
             steps.append(size)
             position += size
-        yield from f0_up_to(f0_end)  # the rest: F0 is kept for the next push's steps
+        yield from f0_up_to(f0_target)  # the rest: F0 is kept for the next push's steps
         if final and n > position:
             i = position - base
             frames = n - position
@@ -623,7 +620,7 @@ class VocoderStream:
         self._caches_written = self._audio_out = False
         st.frames_in = n
         st.samples_out += emitted.shape[0]
-        st.f0_frames = f0_end
+        st.f0_frames = f0_target
         st.f0_calls += f0_calls
         st.generator_calls += len(steps)
         st.generator_frames += sum(steps)
