@@ -22,8 +22,7 @@ class EngineTraits:
     ``step_sizes``: the generator's fixed step sizes (containing 1, so any count splits); None: a step of any count.
     ``f0_step_sizes``: the F0 step's own fixed sizes; None: the generator's.
     ``step_window`` / ``final_window``: every stream (final) step of up to this many frames is one call of one graph,
-    zero past each row's frames, which follow ``final`` as an input ``[B, 1]`` int64; None: no window. The step sizes
-    above the step window are graphs of their own (no window).
+    zero past each row's frames, which follow ``final`` as an input ``[B, 1]`` int64; None: no window.
     ``caches_in_place`` / ``f0_caches_in_place``: the generator's (F0 step's) caches live on the device and a step writes
     them in place, so a step that ran cannot be undone.
     ``noise_positions``: given ``use_noise_table(table)`` once, then each row's first sample index ``[B, 1]`` int64
@@ -93,25 +92,23 @@ def split_steps(count: int, sizes: tuple[int, ...] | None, max_size: int | None 
                 window: int | None = None) -> list[int]:
     """``count`` frames as steps: greedily the largest allowed sizes (``sizes`` must contain 1, so every count
     splits), or with ``sizes=None`` steps of ``max_size`` and one shorter remainder (one step if ``max_size`` is
-    None); with a ``window`` (an engine whose one graph takes any step up to that many frames) greedily the sizes
-    above the window (graphs of their own), then steps of the window and one shorter remainder."""
+    None); with a ``window`` (an engine whose one graph takes any step up to that many frames) steps of the window
+    and one shorter remainder."""
     if count <= 0:
         return []
+    if window is not None:
+        return [window] * (count // window) + ([count % window] if count % window else [])
     if sizes is not None and count in sizes:  # the common push (a 24-frame chunk): one step, as the greedy split
         return [count]
-    if sizes is None and window is None:
+    if sizes is None:
         if max_size is None:
             return [count]
         return [max_size] * (count // max_size) + ([count % max_size] if count % max_size else [])
     out = []
-    for size in sorted(sizes or (), reverse=True):
-        if window is not None and size <= window:
-            break
+    for size in sorted(sizes, reverse=True):
         while count >= size:
             out.append(size)
             count -= size
-    if window is not None:
-        out += [window] * (count // window) + ([count % window] if count % window else [])
     return out
 
 

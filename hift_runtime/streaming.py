@@ -103,8 +103,8 @@ class StreamingVocoder:
         self.phase_mode = phase
         self.step_sizes = step_sizes
         # The F0 steps' sizes: the backend's own where it prepares F0 shapes apart (the compiled engine captures its
-        # cheap F0 step at every size up to 24 frames and at its big step sizes, so a push's F0 is one or two calls:
-        # each call of a push waits for a device turn under load), else the generator's.
+        # cheap F0 step at every size up to 24 frames, so a push's F0 is one call, not up to four: each call of a
+        # push waits for a device turn under load), else the generator's.
         traits = backend.traits
         f0_sizes = traits.f0_step_sizes
         self.f0_step_sizes = step_sizes if step_sizes is None or f0_sizes is None else tuple(sorted(f0_sizes,
@@ -113,16 +113,21 @@ class StreamingVocoder:
         # A backend whose final step takes any count of frames up to this many as one call (a fixed window, each
         # row's end an input): a stream's last push is then its F0 call and one final call, where the generator's
         # sizes would make up to five calls in turn (F0, 8 + 1 + 1 frames, the final step), each waiting for a device
-        # turn under load. Longer remainders go first as stream steps, a multiple of the window less its look-ahead
-        # (those steps need the look-ahead).
+        # turn under load. Longer remainders go first as steps of the largest size, so the window must exceed it by
+        # the mel look-ahead (those steps need it).
         self.final_window = traits.final_window
-        if self.final_window is not None and self.final_window <= constants.mel_look_ahead:
-            raise ValueError(f"the backend's final window ({self.final_window} frames) must exceed the mel "
-                             f"look-ahead ({constants.mel_look_ahead})")
         # Likewise for the stream step (fp32's default on the GPU: a faster start; in fp16 more device time per row,
         # BENCHMARKS.md): every generator step of up to this many frames is one call of one graph, so a push is its
-        # F0 call and one generator call per this many frames (the step sizes above it are graphs of their own).
+        # F0 call and one generator call per this many frames.
         self.step_window = traits.step_window
+        # The size of the steps that reach a final window's start (None: sizes unbounded, any count is one step).
+        self.steps_before_final_window = self.step_window or (step_sizes[0] if step_sizes else None)
+        largest = self.steps_before_final_window
+        if self.final_window is not None and largest is not None and \
+                self.final_window < largest + constants.mel_look_ahead - 1:
+            raise ValueError(f"the backend's final window ({self.final_window} frames) must be at least the largest "
+                             f"stream step plus the mel look-ahead less one ({largest} + {constants.mel_look_ahead} "
+                             f"- 1)")
         self.max_streams, self.idle_timeout_s = max_streams, idle_timeout_s
         # Open streams (weak: a stream its caller dropped frees its slot) and how many are inside a push right now
         # (a batching scheduler waits for partners only while some may still come).
@@ -568,17 +573,16 @@ class VocoderStream:
         f0_target = max(f0_end, target)  # F0 is known this far once the push's F0 calls are made
         limit = min(n - c.mel_look_ahead, f0_target - c.source_look_ahead)
         window, step_window = (self._v.final_window if final else None), self._v.step_window
-        if window is not None:  # the generator only as far as the window's start, a multiple of the window less its
-            unit = window - c.mel_look_ahead  # look-ahead (so those steps have theirs)
+        if window is not None:  # the generator only as far as the window's start, in steps of the largest size
+            unit = self._v.steps_before_final_window or 1
             limit = position + max(0, -(-(n - position - window) // unit) * unit)
         for size in split_steps(limit - position, sizes, max_step, step_window):
             yield from f0_up_to(position + size + c.source_look_ahead)
             i = position - base
-            in_window = step_window if step_window is not None and size <= step_window else None
             audio, phase, caches = yield self._generator_call(
                 "generator", mel[:, i: i + size + c.mel_look_ahead], f0[i: i + size + c.source_look_ahead],
-                position, size, phase, caches, in_window)
-            if in_window is not None:  # the window's padding
+                position, size, phase, caches, step_window)
+            if step_window is not None:  # the window's padding
                 audio = audio[:, :size * c.samples_per_frame]
             if self._v.phase_mode == "wrapped":
                 phase = phase - np.floor(phase)

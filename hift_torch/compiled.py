@@ -7,9 +7,9 @@ fused into Triton kernels, cuDNN convolutions), behind the same bookkeeping and 
   (:class:`~.capture.CacheRows`); only the mel, F0 values, phase and audio cross the bus.
 * **Noise**: the noise table lives on the device; each step gathers its rows from the first row's index.
 * **CUDA graphs**: :meth:`CompiledBackend.warmup` compiles, runs and captures every shape a stream meets: the stream
-  step (at each of :data:`STEP_SIZES`, or in fp32 one window of 24 frames for those up to 24), the final step (a
-  window of 28 frames: a stream's last push is one F0 call and one final call) and the F0 step (every size up to 24
-  frames, and the stream step's above), each at every batch size; a call is the host's writes into pinned buffers, one replay and one wait.
+  step (at each of :data:`STEP_SIZES`, or in fp32 one window of 24 frames for all of them), the final step (a window
+  of 28 frames: a stream's last push is one F0 call and one final call) and the F0 step (every size up to 24 frames),
+  each at every batch size; a call is the host's writes into pinned buffers, one replay and one wait.
 * **Precision** (``fp32``: TF32 off, parity; ``tf32``; ``fp16``: the convolution trunk in half precision, the source,
   STFT, phase and iSTFT head in float32). The F0 step runs in the export's F0 precision (float64 by default).
 
@@ -52,11 +52,10 @@ log = logging.getLogger("hift_runtime")
 # specialises size 1, which would be a compile more); a lone stream runs padded to 2.
 BATCH_SIZES = (2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 # Each step size is a compile of its own (a dynamic frame axis recompiles at every size threshold of the
-# convolutions anyway), so few: a 24-frame chunk stream meets 24, and 8 + 8 + 4 at its start; CosyVoice3's 100- and
-# 200-frame chunks meet 96 + 4 and 192 + 8 (each call of a push waits for a device turn under load).
-STEP_SIZES = (192, 96, 24, 8, 4, 1)
-# The windows' steps (the fp32 stream step's window, and the final window less its look-ahead): a real-time chunk's.
-WINDOW_FRAMES = 24
+# convolutions anyway), so few: a 24-frame chunk stream meets 24, and 8 + 8 + 4 at its start.
+STEP_SIZES = (24, 8, 4, 1)
+# The F0 step (eager, float64, cheap to capture) at every size up to 24 frames: a push's F0 is one call, not up to four.
+F0_STEP_SIZES = tuple(range(24, 0, -1))
 # Dynamo keeps this many compiles of one function before it falls back to eager without a word; ours are counted.
 RECOMPILE_LIMIT = 64
 # The generator's convolution layout per precision (BENCHMARKS.md, decision log: channels-last is fp16's only).
@@ -68,14 +67,6 @@ STEP_WINDOW = {"fp32": True, "tf32": False, "fp16": False}
 def cuda_available() -> bool:
     """Whether this torch sees a CUDA device (the engine's ``auto`` choice asks)."""
     return torch.cuda.is_available()
-
-
-def f0_step_sizes(step_sizes: tuple[int, ...]) -> tuple[int, ...]:
-    """The F0 step's sizes (eager, float64, cheap to capture), largest first: every size up to the window, so a
-    real-time push's F0 is one call, not up to four; and the stream step's sizes above it, so a big step waits for
-    one F0 call."""
-    return tuple(sorted(set(range(1, WINDOW_FRAMES + 1)) | {s for s in step_sizes if s > WINDOW_FRAMES},
-                        reverse=True))
 
 
 def batch_ladder(max_batch: int) -> tuple[int, ...]:
@@ -117,12 +108,13 @@ class CompiledBackend:
         self.compiled = self.on_cuda if compile is None else compile
         self.cuda_graphs = cuda_graphs and self.on_cuda
         self.step_sizes = step_sizes if self.on_cuda else None
+        largest = max(step_sizes or STEP_SIZES)
         final_window = self.cuda_graphs and bool(step_sizes) if final_window is None else final_window
-        self.final_window_frames = WINDOW_FRAMES + constants.mel_look_ahead if final_window else None
+        self.final_window_frames = largest + constants.mel_look_ahead if final_window else None
         step_window = self.cuda_graphs and bool(step_sizes) and STEP_WINDOW[precision] if step_window is None \
             else step_window
-        self.step_window_frames = WINDOW_FRAMES if step_window else None
-        self.f0_step_sizes = f0_step_sizes(step_sizes) if self.on_cuda and step_sizes else None
+        self.step_window_frames = largest if step_window else None
+        self.f0_step_sizes = F0_STEP_SIZES if self.on_cuda and step_sizes else None
         self.batch_sizes = tuple(sorted(set(batch_sizes))) if self.on_cuda else (1,)
         # A call is a graph replay and its wait: short enough for a quiet lone push's calls to be made in the
         # scheduling thread; an eager call on the CPU is not. Every call takes this engine's own lock.
@@ -426,11 +418,8 @@ class CompiledBackend:
                 for kind, size in units if kind == group]
 
     def generator_graph_sizes(self, step_sizes: tuple[int, ...]) -> tuple[int, ...]:
-        """The stream step's graphs for ``step_sizes``: one per size, or the window's and one per size above it."""
-        window = self.step_window_frames
-        if not window:
-            return tuple(step_sizes)
-        return tuple(s for s in step_sizes if s > window) + (window,)
+        """The stream step's graphs for ``step_sizes``: the window's alone, or one per size."""
+        return (self.step_window_frames,) if self.step_window_frames else tuple(step_sizes)
 
     @property
     def final_frames(self) -> int:

@@ -453,19 +453,3 @@ def test_a_push_splits_greedily_into_the_allowed_step_sizes(count, sizes):
     assert split_steps(count, sizes) == expected
     assert split_steps(count, None, 64) == ([64] * (count // 64) + ([count % 64] if count % 64 else [])
                                              if count > 0 else [])
-
-
-@given(st.integers(-2, 600))
-def test_a_push_in_a_window_takes_the_sizes_above_it_first(count):
-    """split_steps with a window: greedily the sizes above the window (graphs of their own), then steps of the window
-    and one shorter remainder; the steps cover the count exactly."""
-    from hift_runtime.engine import split_steps
-
-    steps = split_steps(count, (192, 96, 24, 8, 4, 1), window=24)
-    assert sum(steps) == max(count, 0) and steps == sorted(steps, reverse=True)
-    big = [s for s in steps if s > 24]
-    assert set(big) <= {192, 96} and big.count(96) <= 1 and sum(steps[len(big):]) < 96
-    assert all(s == 24 for s in steps[len(big):-1])
-    assert split_steps(200, (192, 96, 24, 8, 4, 1), window=24) == [192, 8]
-    assert split_steps(100, (192, 96, 24, 8, 4, 1), window=24) == [96, 4]
-    assert split_steps(50, (24, 8, 4, 1), window=24) == [24, 24, 2]
