@@ -103,7 +103,7 @@ class StreamingVocoder:
         self.phase_mode = phase
         self.step_sizes = step_sizes
         # The F0 steps' sizes: the backend's own where it prepares F0 shapes apart (the compiled engine captures its
-        # cheap F0 step at every size up to 24 frames, so a push's F0 is one call, not up to four: each call of a
+        # cheap F0 step at every size up to 25 frames, so a push's F0 is one call, not up to four: each call of a
         # push waits for a device turn under load), else the generator's.
         traits = backend.traits
         f0_sizes = traits.f0_step_sizes

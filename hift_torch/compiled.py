@@ -8,7 +8,7 @@ fused into Triton kernels, cuDNN convolutions), behind the same bookkeeping and 
 * **Noise**: the noise table lives on the device; each step gathers its rows from the first row's index.
 * **CUDA graphs**: :meth:`CompiledBackend.warmup` compiles, runs and captures every shape a stream meets: the stream
   step (at each of :data:`STEP_SIZES`, or in fp32 one window of 24 frames for all of them), the final step (a window
-  of 28 frames: a stream's last push is one F0 call and one final call) and the F0 step (every size up to 24 frames),
+  of 28 frames: a stream's last push is one F0 call and one final call) and the F0 step (every size up to 25 frames),
   each at every batch size; a call is the host's writes into pinned buffers, one replay and one wait.
 * **Precision** (``fp32``: TF32 off, parity; ``tf32``; ``fp16``: the convolution trunk in half precision, the source,
   STFT, phase and iSTFT head in float32). The F0 step runs in the export's F0 precision (float64 by default).
@@ -54,8 +54,6 @@ BATCH_SIZES = (2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 # Each step size is a compile of its own (a dynamic frame axis recompiles at every size threshold of the
 # convolutions anyway), so few: a 24-frame chunk stream meets 24, and 8 + 8 + 4 at its start.
 STEP_SIZES = (24, 8, 4, 1)
-# The F0 step (eager, float64, cheap to capture) at every size up to 24 frames: a push's F0 is one call, not up to four.
-F0_STEP_SIZES = tuple(range(24, 0, -1))
 # Dynamo keeps this many compiles of one function before it falls back to eager without a word; ours are counted.
 RECOMPILE_LIMIT = 64
 # The generator's convolution layout per precision (BENCHMARKS.md, decision log: channels-last is fp16's only).
@@ -114,7 +112,11 @@ class CompiledBackend:
         step_window = self.cuda_graphs and bool(step_sizes) and STEP_WINDOW[precision] if step_window is None \
             else step_window
         self.step_window_frames = largest if step_window else None
-        self.f0_step_sizes = F0_STEP_SIZES if self.on_cuda and step_sizes else None
+        # The F0 step (eager, float64, cheap to capture) at every size up to the largest step's source: a push's F0
+        # is one call, not up to four, and an utterance's first step (which reads one frame's F0 beyond it) waits
+        # for one F0 call, not two.
+        self.f0_step_sizes = tuple(range(max(step_sizes) + constants.source_look_ahead, 0, -1)) \
+            if self.on_cuda and step_sizes else None
         self.batch_sizes = tuple(sorted(set(batch_sizes))) if self.on_cuda else (1,)
         # A call is a graph replay and its wait: short enough for a quiet lone push's calls to be made in the
         # scheduling thread; an eager call on the CPU is not. Every call takes this engine's own lock.

@@ -230,6 +230,32 @@ def test_a_backends_own_f0_step_sizes_make_each_pushs_f0_one_call(small_artifact
     assert calls == [24 - la + la]  # 21 frames (8 + 8 + 4 + 1 with the generator's sizes) in one call
 
 
+def test_f0_sizes_past_the_largest_step_put_an_utterances_first_step_after_one_f0_call(small_artifacts):
+    """F0 step sizes up to the largest step plus its source look-ahead (the compiled engine's on CUDA): an utterance's
+    first 24-frame step reads 25 frames' F0, so with them its first audio waits for one F0 call, not two; CosyVoice3's
+    100-frame chunk is 4 F0 calls between its 5 steps, not 5; the audio equals the offline pass."""
+    from hift_runtime import StreamingVocoder
+
+    opened = open_vocoder(small_artifacts.out, device="cpu")
+    backend, constants = opened.backend, opened.constants
+    backend.traits = dataclasses.replace(backend.traits,
+                                         f0_step_sizes=tuple(range(24 + constants.source_look_ahead, 0, -1)))
+    calls: list[str] = []
+    f0_step, generator_step = backend.f0_step, backend.generator_step
+    backend.f0_step = lambda *a: calls.append("f0") or f0_step(*a)
+    backend.generator_step = lambda *a: calls.append("gen") or generator_step(*a)
+    vocoder = StreamingVocoder(backend, constants, step_sizes=(24, 8, 4, 1))
+    mel = random_mel(150, 41)
+    stream = vocoder.stream()
+    pieces = [stream.push(mel[:, :50])]
+    assert calls[:2] == ["f0", "gen"] and calls.count("f0") == 2  # 25 + 22 frames' F0
+    calls.clear()
+    pieces.append(stream.push(mel[:, 50:]))
+    assert calls == ["f0", "gen"] * 4 + ["gen"]  # F0 25 x 4, steps 24 x 4 + 4
+    pieces.append(stream.finish())
+    assert_equal_to_offline(np.concatenate(pieces), vocoder.vocode(mel))
+
+
 def test_sixty_second_stream_equals_offline(small_vocoder, small_eager):
     mel = random_mel(3000, 12)
     pieces, stream = stream_all(small_vocoder, mel, [24] * 125)
