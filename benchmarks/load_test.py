@@ -9,7 +9,9 @@
 
 Per K: push latency p50/p95/p99 (from each push's due time to its return, so falling behind counts), the same
 pushes timed from the call (``push_call_*``: the client's own lateness in starting a push left out, e.g. an event
-loop's timer waking up late), first-chunk latency, throughput (audio seconds produced per wall second), GPU memory. The bound is p95 <= 240 ms (half a chunk);
+loop's timer waking up late), first-chunk latency, throughput (audio seconds produced per wall second), the share of
+the run's wall time inside the engine's calls (``calls_busy_share``: the device's busy share as the scheduler sees
+it), GPU memory. The bound is p95 <= 240 ms (half a chunk);
 the ramp goes on past a miss (larger batches can catch up) and stops at a collapse (p95 > 2.4 s) or an error.
 Configs: ``batched`` (the default on the GPU: cross-stream batching + CUDA graphs per step size
 and batch), ``batched_tf32`` (the same with TF32), ``per_stream`` (no batching: each stream's step is its own B = 1
@@ -381,6 +383,9 @@ def run_k(vocoder, k: int, seconds: float, clients: str = "threads", collections
     c = np.asarray(call_lat) * 1e3 if call_lat else np.asarray([np.nan])
     after = _counters(vocoder)
     this_run = _counted_since(before, after)  # the counters run over the vocoder's life
+    # The time inside the engine's calls over the run's wall time: the device's busy share as the scheduler sees it
+    # (a call's host writes and wait included; calls queued behind one another overlap).
+    busy_s = sum(v[2] for v in this_run["calls_batches_busy_s_by_kind"].values()) if this_run else None
     served = vocoder.batches() if isinstance(vocoder, _Served) else None
     # Full garbage collections (each a stall of every stream of its process): this run's count; the longest of this
     # run in process, since the servers started when served.
@@ -394,6 +399,9 @@ def run_k(vocoder, k: int, seconds: float, clients: str = "threads", collections
             "first_chunk_p95_ms": round(float(np.percentile(f, 95)), 2),
             "throughput_audio_s_per_s": round(len(first) * frames * (2 if schedule == "cosyvoice3" else 1) * FRAME_S
                                               / wall, 1),
+            "wall_s": round(wall, 2),
+            **({"calls_busy_s": round(busy_s, 2), "calls_busy_share": round(busy_s / wall, 3)}
+               if busy_s is not None else {}),
             **({"utterance_first_audio_p50_ms": round(float(np.percentile(utterance_firsts, 50)) * 1e3, 2),
                 "utterance_first_audio_p95_ms": round(float(np.percentile(utterance_firsts, 95)) * 1e3, 2),
                 "chunk_first_audio_p50_ms": round(float(np.percentile(chunk_firsts, 50)) * 1e3, 2),

@@ -112,9 +112,9 @@ class CompiledBackend:
         step_window = self.cuda_graphs and bool(step_sizes) and STEP_WINDOW[precision] if step_window is None \
             else step_window
         self.step_window_frames = largest if step_window else None
-        # The F0 step (eager, float64, cheap to capture) at every size up to the largest step's source: a push's F0
-        # is one call, not up to four, and an utterance's first step (which reads one frame's F0 beyond it) waits
-        # for one F0 call, not two.
+        # The F0 step (eager, float64, cheap to capture) at every size up to the largest step plus its source
+        # look-ahead: a push's F0 is one call, not up to four, and an utterance's first step (which reads one frame's
+        # F0 beyond it) waits for one F0 call, not two.
         self.f0_step_sizes = tuple(range(max(step_sizes) + constants.source_look_ahead, 0, -1)) \
             if self.on_cuda and step_sizes else None
         self.batch_sizes = tuple(sorted(set(batch_sizes))) if self.on_cuda else (1,)
