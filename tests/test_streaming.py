@@ -242,7 +242,8 @@ def test_f0_sizes_past_the_largest_step_put_an_utterances_first_step_after_one_f
                                          f0_step_sizes=tuple(range(24 + constants.source_look_ahead, 0, -1)))
     calls: list[str] = []
     f0_step, generator_step = backend.f0_step, backend.generator_step
-    backend.f0_step = lambda *a: calls.append("f0") or f0_step(*a)
+    f0_frames: list[int] = []
+    backend.f0_step = lambda mel, caches: calls.append("f0") or f0_frames.append(mel.shape[2]) or f0_step(mel, caches)
     backend.generator_step = lambda *a: calls.append("gen") or generator_step(*a)
     vocoder = StreamingVocoder(backend, constants, step_sizes=(24, 8, 4, 1))
     mel = random_mel(150, 41)
@@ -250,8 +251,10 @@ def test_f0_sizes_past_the_largest_step_put_an_utterances_first_step_after_one_f
     pieces = [stream.push(mel[:, :50])]
     assert calls[:2] == ["f0", "gen"] and calls.count("f0") == 2  # 25 + 22 frames' F0
     calls.clear()
+    f0_frames.clear()
     pieces.append(stream.push(mel[:, 50:]))
-    assert calls == ["f0", "gen"] * 4 + ["gen"]  # F0 25 x 4, steps 24 x 4 + 4
+    assert calls == ["f0", "gen"] * 4 + ["gen"]  # F0 25 x 4 (one shape), steps 24 x 4 + 4
+    assert f0_frames == [25 + constants.f0_look_ahead] * 4
     pieces.append(stream.finish())
     assert_equal_to_offline(np.concatenate(pieces), vocoder.vocode(mel))
 
