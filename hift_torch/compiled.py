@@ -115,7 +115,7 @@ class CompiledBackend:
         # The F0 step (eager, float64, cheap to capture) at every size up to the largest step plus its source
         # look-ahead: a push's F0 is one call, not up to four, and an utterance's first step (which reads one frame's
         # F0 beyond it) waits for one F0 call, not two.
-        self.f0_step_sizes = tuple(range(max(step_sizes) + constants.source_look_ahead, 0, -1)) \
+        self.f0_step_sizes = tuple(range(largest + constants.source_look_ahead, 0, -1)) \
             if self.on_cuda and step_sizes else None
         self.batch_sizes = tuple(sorted(set(batch_sizes))) if self.on_cuda else (1,)
         # A call is a graph replay and its wait: short enough for a quiet lone push's calls to be made in the
