@@ -70,8 +70,10 @@ class _Push:
     steps: Generator[StepCall, Any, np.ndarray]
     handed_over_at: float
     call: StepCall | None = None
-    call_ready_at: float = 0.0  # when its current call became ready: orders calls (the longest-waiting runs first)
-    # and the partner wait counts from here
+    call_ready_at: float = 0.0  # when its current call became ready: the partner wait counts from here
+    # When its current call is due: the push's arrival plus the audio it has handed to its listener (its playback
+    # lasts that long), or for a push whose audio goes out whole, when the call became ready. Orders the calls.
+    due_at: float = 0.0
     wrote_caches: bool = False  # a call of it that writes device caches in place has run: it cannot be undone
     quiet: bool = False  # it arrived alone, after the scheduler had been empty a while (inline_quiet_s)
     cancelled: bool = False
@@ -113,6 +115,7 @@ class PushScheduler:
         self.inline_quiet_s = 0.02
         self._last_settled_at = -math.inf
         self.pushes_in_progress = pushes_in_progress or (lambda: 0)
+        self.by_playback = True  # (being measured) calls of pushes with listeners due by their playback, not readiness
         self.stats = BatchStats()
         self._arrivals: list[_Push] = []
         self._cancellations: list[_Push] = []
@@ -414,15 +417,15 @@ class PushScheduler:
         push have not been handed over yet and its oldest call has waited less than ``max_wait_s``."""
         if len(group) >= self.max_batch or self.pushes_in_progress() <= len(self._handed_over):
             return 0.0
-        return self.max_wait_s - (time.monotonic() - group[0].call_ready_at)
+        return self.max_wait_s - (time.monotonic() - min(p.call_ready_at for p in group))
 
     def _group_of(self, ready: list[_Push]) -> list[_Push]:
-        """The call that has waited longest and every ready call of the same key, longest-waiting first (per call, so
-        one stream's long push cannot keep other streams' calls of other shapes waiting)."""
-        oldest = min(ready, key=lambda p: p.call_ready_at)
-        key = oldest.call.key  # type: ignore[union-attr]
+        """The call due first and every ready call of the same key, the earliest due first. Due per call, so one
+        stream's long push cannot keep other streams' calls of other shapes waiting; and a push that has handed audio
+        to its listener lets calls whose listeners have none yet go first, for as long as that audio plays."""
+        key = min(ready, key=lambda p: p.due_at).call.key  # type: ignore[union-attr]
         return sorted((p for p in ready if p.call.key == key),  # type: ignore[union-attr]
-                      key=lambda p: p.call_ready_at)
+                      key=lambda p: p.due_at)
 
     def _launch_if_due(self, ready: list[_Push], min_group: int = 1, inline: bool = False) -> _Flight | None:
         """The next batched call, unless nothing is ready, its group is smaller than ``min_group`` or still waits for
@@ -499,6 +502,9 @@ class PushScheduler:
             self._finish(push)
         else:
             push.call_ready_at = time.monotonic()
+            ahead = push.call.audio_ahead_s
+            push.due_at = push.call_ready_at if ahead is None or not self.by_playback else \
+                push.handed_over_at + ahead
             ready.append(push)
 
     def _fail(self, push: _Push, exc: BaseException, close_steps: bool = True) -> None:

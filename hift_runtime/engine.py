@@ -153,6 +153,9 @@ class StepCall:
     args: tuple[Any, ...]
     # True for a step on an engine that writes its caches in place: once it ran, the push cannot be undone.
     writes_caches: bool = False
+    # Seconds of audio the push has handed to its listener (on_audio) before this call: its playback can wait that
+    # long past the push's arrival. None: a push whose audio goes out whole, at its end.
+    audio_ahead_s: float | None = None
 
     @property
     def key(self) -> tuple[str, int]:

@@ -492,10 +492,12 @@ class VocoderStream:
             self._v._unregister(self)
 
     def _generator_call(self, kind: str, mel: np.ndarray, f0: np.ndarray, position: int, frames: int,
-                        phase: np.ndarray, caches: Any, window: int | None = None) -> StepCall:
+                        phase: np.ndarray, caches: Any, window: int | None = None,
+                        audio_ahead_s: float | None = None) -> StepCall:
         """A generator (or final) step of ``frames`` frames from ``position``: its noise rows and ``first`` flag are
         the position's. ``window``: the backend's window for this kind of step; mel and F0 (look-aheads included) are
-        padded with zeros to it, and the step's own frames go after ``final`` (the caller trims the audio)."""
+        padded with zeros to it, and the step's own frames go after ``final`` (the caller trims the audio).
+        ``audio_ahead_s``: the push's audio handed out so far (:class:`StepCall`)."""
         c = self._c
         spf = c.samples_per_frame
         mel_ahead, source_ahead = (0, 0) if kind == "final" else (c.mel_look_ahead, c.source_look_ahead)
@@ -510,7 +512,8 @@ class VocoderStream:
             self._caches_written = True  # until the commit, a failure (not a cancellation) loses the stream
         # Every array C-contiguous: a batched call stacks them as bytes (arrays.concat_rows).
         args = (np.ascontiguousarray(mel[None]), f0[None], noise, phase, np.array([[position == 0]]), caches)
-        return StepCall(kind, args if window is None else (*args, np.array([[frames]], np.int64)), writes)
+        return StepCall(kind, args if window is None else (*args, np.array([[frames]], np.int64)), writes,
+                        audio_ahead_s)
 
     def _hand_out(self, piece: np.ndarray, on_audio: Callable[[np.ndarray], None] | None) -> None:
         """A step's audio to the push's ``on_audio`` (a copy: the caller may keep it); until the commit, a failure
@@ -549,6 +552,9 @@ class VocoderStream:
         if final and f0_sizes_left:
             f0_window = np.concatenate([f0_window, np.zeros((c.in_channels, c.f0_look_ahead), np.float32)], axis=1)
         f0_known, f0_calls = f0_end, 0  # F0 is known for frames [base, f0_known)
+        # The audio handed to on_audio so far, in seconds: how long the push's later calls can wait (the scheduler
+        # runs the calls whose listeners' playback runs dry first). None: the audio goes out whole at the end.
+        ahead: float | None = None if on_audio is None else 0.0
 
         def f0_up_to(frame: int) -> Generator[StepCall, Any, None]:
             """The planned F0 calls until F0 is known up to ``frame`` (all of them past ``target``)."""
@@ -560,7 +566,7 @@ class VocoderStream:
                     self._caches_written = True  # as for the generator's steps (_generator_call)
                 out, f0_caches = yield StepCall(
                     "f0", (np.ascontiguousarray(f0_window[None, :, at:at + size + c.f0_look_ahead]), f0_caches),
-                    self._f0_in_place)
+                    self._f0_in_place, ahead)
                 new.append(out[0])
                 f0_known += size
                 f0_calls += 1
@@ -581,13 +587,15 @@ class VocoderStream:
             i = position - base
             audio, phase, caches = yield self._generator_call(
                 "generator", mel[:, i: i + size + c.mel_look_ahead], f0[i: i + size + c.source_look_ahead],
-                position, size, phase, caches, step_window)
+                position, size, phase, caches, step_window, ahead)
             if step_window is not None:  # the window's padding
                 audio = audio[:, :size * c.samples_per_frame]
             if self._v.phase_mode == "wrapped":
                 phase = phase - np.floor(phase)
             pieces.append(self._emitted(audio, position))
             self._hand_out(pieces[-1], on_audio)
+            if ahead is not None:
+                ahead += pieces[-1].shape[0] / c.sample_rate
             steps.append(size)
             position += size
         yield from f0_up_to(f0_target)  # the rest: F0 is kept for the next push's steps
@@ -596,7 +604,7 @@ class VocoderStream:
             frames = n - position
             # (In a window, zeros past the utterance's end are finalize's look-ahead.)
             audio, _, _ = yield self._generator_call("final", mel[:, i:], f0[i:], position, frames, phase, caches,
-                                                     window)
+                                                     window, ahead)
             if window is not None:  # the window's padding
                 audio = audio[:, :(frames + 1) * c.samples_per_frame]
             pieces.append(self._emitted(audio, position))
