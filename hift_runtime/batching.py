@@ -5,9 +5,12 @@ A push is the stream's bookkeeping written once as a coroutine (:meth:`~hift_run
 it yields each backend call it needs and is sent the result). The stream's thread validates its chunk, hands the
 coroutine over (one hand-off in, one out, however many steps the push has) and waits. The scheduler thread keeps
 every push in hand at its next call and, whenever the device is free, runs one group as one batched call: the
-calls of the same kind and shape as the call that has waited longest (streams at different positions batch together;
-the step size fixes the shapes). Waiting time is counted per call, not per push, so a long push takes its turn step by
-step between other streams' calls and never holds the device for its whole length. While that call runs on the device, the scheduler hands out the previous call's results,
+calls of the same kind and shape as the call due first (streams at different positions batch together; the step size
+fixes the shapes). A call is due when it became ready, counted per call, not per push, so a long push takes its turn
+step by step between other streams' calls and never holds the device for its whole length; a push that hands its
+audio to a listener as each step is done (``on_audio``) is due at its arrival plus the audio it has handed out, so
+while that audio plays, the calls of pushes whose listeners have nothing yet go first (an utterance's first audio,
+a chunk's first piece). While that call runs on the device, the scheduler hands out the previous call's results,
 advances those pushes to their next calls and takes in new pushes, so the device waits for Python only when there is
 nothing to run. The group grows with the load by itself: every push that arrives while a call runs can join the next.
 

@@ -429,3 +429,64 @@ def test_a_long_chunks_f0_calls_are_made_as_its_steps_need_them(alone):
     assert calls.index("generator") < len(calls) - calls[::-1].index("f0") - 1  # an F0 call after a step
     out.append(stream.finish())
     assert max_abs(np.concatenate(out), alone.vocode(mel)) <= 1e-6
+
+
+def test_a_push_with_a_listener_tells_the_scheduler_how_much_audio_it_handed_out(alone, monkeypatch):
+    """Each call of a push with ``on_audio`` carries the seconds of audio the push handed out before it (what its
+    listener can play while the call waits); a push without a listener carries None (its audio goes out at its end)."""
+    from hift_runtime.engine import StepCall
+
+    seen: list = []
+    run = StepCall.run
+    monkeypatch.setattr(StepCall, "run", lambda self, backend: (seen.append(self.audio_ahead_s), run(self, backend))[1])
+    mel = random_mel(130, seed=36)
+    stream = alone.stream()
+    stream.push(mel[:, :30])
+    assert seen and all(a is None for a in seen)
+    seen.clear()
+    pieces: list = []
+    stream.push(mel[:, 30:130], on_audio=pieces.append)
+    handed = np.cumsum([0] + [p.shape[0] for p in pieces]) / alone.constants.sample_rate
+    assert seen[0] == 0.0 and len(pieces) > 2
+    assert set(seen) <= set(handed.tolist()) and seen == sorted(seen) and seen[-1] > 0
+
+
+def test_calls_of_pushes_whose_listeners_have_audio_wait_for_those_that_have_none():
+    """The scheduler runs the call due first: a push's arrival plus the audio it has handed to its listener, or for a
+    push without a listener, when its call became ready. A push 0.5 s of audio ahead waits for a fresh push that
+    arrived after it and for a whole push; with the order by readiness alone (being measured) it goes first."""
+    from hift_runtime.batching import PushScheduler
+    from hift_runtime.engine import EngineTraits, StepCall
+
+    class Gated:
+        name, traits = "gated", EngineTraits()
+
+        def __init__(self) -> None:
+            self.entered, self.gate, self.order = threading.Event(), threading.Event(), []
+
+        def f0_step(self, mel, caches):
+            self.order.append(mel.shape[2])
+            self.entered.set()
+            self.gate.wait(10)
+            return np.zeros((mel.shape[0], 1), np.float32), caches
+
+    def one_call(frames, ahead):
+        yield StepCall("f0", (np.zeros((1, 2, frames), np.float32), None), audio_ahead_s=ahead)
+        return np.zeros(1, np.float32)
+
+    for by_playback, want in ((True, [12, 13, 11]), (False, [11, 12, 13])):
+        backend = Gated()
+        scheduler = PushScheduler(backend, max_batch=256)  # nothing queues behind the gated call (queue_behind 64)
+        scheduler.by_playback = by_playback
+        threads = [threading.Thread(target=scheduler.run, args=(one_call(10, None),))]
+        threads[0].start()
+        assert backend.entered.wait(10)
+        for frames, ahead in ((11, 0.5), (12, 0.0), (13, None)):  # arriving in this order, 20 ms apart
+            threads.append(threading.Thread(target=scheduler.run, args=(one_call(frames, ahead),)))
+            threads[-1].start()
+            time.sleep(0.02)
+        backend.gate.set()
+        for t in threads:
+            t.join(10)
+        scheduler.close()
+        assert backend.order == [10, *want], by_playback
