@@ -620,7 +620,7 @@ def main() -> None:
         p.error(f"--scheduler takes thread, loop or both, got {args.scheduler!r}")
     if "loop" in drivers and args.clients != "asyncio":
         p.error("--scheduler loop schedules from the clients' event loop: it needs --clients asyncio")
-    # Each K runs under every (switch interval, queue_behind, scheduler) variant, one after the other, on the same
+    # Each K runs under every (switch interval, queue_behind, scheduler, call order) variant, one after the other, on the same
     # open vocoder.
     variants = [(ms, qb, d, o) for ms in intervals_ms for qb in queue_behinds for d in drivers for o in orders]
     if args.cudnn_threads and (args.engine != "compiled" or "served" in args.configs):
@@ -665,7 +665,7 @@ def main() -> None:
             warm_stream_s = round(time.perf_counter() - t1, 2)
         if name != "served":
             tune_garbage_collector()  # as hift-serve does once warm
-        # One record per variant (the same open vocoder): NAME, or NAME@si=MS / @qb=N / @sched=D, joined by commas,
+        # One record per variant (the same open vocoder): NAME, or NAME@si=MS / @qb=N / @sched=D / @order=O, joined by commas,
         # for each axis with several values.
         def key_of(ms: float | None, qb: int | None, driver: str, order: str) -> str:
             parts = (([f"si={ms:g}"] if len(intervals_ms) > 1 else []) + ([f"qb={qb}"] if len(queue_behinds) > 1 else [])
@@ -677,7 +677,7 @@ def main() -> None:
         rows_of: dict[tuple[float | None, int | None, str, str], list[dict[str, Any]]] = {v: [] for v in keys}
         backend = getattr(vocoder, "backend", None)
         for (ms, qb, driver, order), key in keys.items():
-            result["configs"][key] = {"call_order": order,"open_and_warmup_s": ready_s,
+            result["configs"][key] = {"call_order": order, "open_and_warmup_s": ready_s,
                                       "inline_lone_calls": getattr(getattr(vocoder, "scheduler", None),
                                                                    "inline_lone_calls", None),
                                       "warm_stream_s": warm_stream_s, "parity_max_abs_vs_cpu": parity,
