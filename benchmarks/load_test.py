@@ -620,8 +620,8 @@ def main() -> None:
         p.error(f"--scheduler takes thread, loop or both, got {args.scheduler!r}")
     if "loop" in drivers and args.clients != "asyncio":
         p.error("--scheduler loop schedules from the clients' event loop: it needs --clients asyncio")
-    # Each K runs under every (switch interval, queue_behind, scheduler, call order) variant, one after the other, on the same
-    # open vocoder.
+    # Each K runs under every (switch interval, queue_behind, scheduler, call order) variant, one after the other, on
+    # the same open vocoder.
     variants = [(ms, qb, d, o) for ms in intervals_ms for qb in queue_behinds for d in drivers for o in orders]
     if args.cudnn_threads and (args.engine != "compiled" or "served" in args.configs):
         p.error("--cudnn-threads is for the compiled engine in process (hift-serve runs the engine's defaults)")
@@ -665,11 +665,12 @@ def main() -> None:
             warm_stream_s = round(time.perf_counter() - t1, 2)
         if name != "served":
             tune_garbage_collector()  # as hift-serve does once warm
-        # One record per variant (the same open vocoder): NAME, or NAME@si=MS / @qb=N / @sched=D / @order=O, joined by commas,
-        # for each axis with several values.
+        # One record per variant (the same open vocoder): NAME, or NAME@si=MS / @qb=N / @sched=D / @order=O, joined by
+        # commas, for each axis with several values.
         def key_of(ms: float | None, qb: int | None, driver: str, order: str) -> str:
             parts = (([f"si={ms:g}"] if len(intervals_ms) > 1 else []) + ([f"qb={qb}"] if len(queue_behinds) > 1 else [])
-                     + ([f"sched={driver}"] if len(drivers) > 1 else []) + ([f"order={order}"] if len(orders) > 1 else []))
+                     + ([f"sched={driver}"] if len(drivers) > 1 else [])
+                     + ([f"order={order}"] if len(orders) > 1 else []))
             return f"{name}@{','.join(parts)}" if parts else name
 
         # A served config schedules inside its servers (hift-serve's scheduler thread): no loop-driven variant.
