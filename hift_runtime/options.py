@@ -44,7 +44,7 @@ class CompiledOptions:
     8 GiB of free device memory, at most :data:`MAX_CUDNN_THREADS`)."""
 
     device_id: int = 0
-    compile_processes: int = 5
+    compile_processes: int = 5  # the default step sizes' graphs: four stream steps and the final step
     cudnn_threads: int | None = None
 
     def __post_init__(self) -> None:
