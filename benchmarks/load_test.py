@@ -549,10 +549,6 @@ def main() -> None:
                         "(thread,loop): each K runs under each, recorded as NAME@sched=loop")
     p.add_argument("--loop-scheduler", dest="scheduler", action="store_const", const="loop",
                    help="the same as --scheduler loop")
-    p.add_argument("--call-order", default="playback",
-                   help="(being measured) the order of the scheduler's calls (in-process configs): playback (a push "
-                        "that has handed out audio waits while it plays) or ready (the longest-waiting call first). "
-                        "Both, comma-separated: each K runs under each, recorded as NAME@order=O")
     p.add_argument("--cudnn-threads", type=int, default=None,
                    help="threads the compiled engine's warmup chooses cuDNN's algorithms in (CompiledOptions.cudnn_threads; "
                         "default: the engine's)")
@@ -613,16 +609,13 @@ def main() -> None:
     intervals_ms = [float(x) for x in args.switch_interval_ms.split(",")] if args.switch_interval_ms else [None]
     queue_behinds = [int(x) for x in args.queue_behind.split(",")] if args.queue_behind else [None]
     drivers = args.scheduler.split(",")
-    orders = args.call_order.split(",")
-    if not set(orders) <= {"playback", "ready"}:
-        p.error(f"--call-order takes playback, ready or both, got {args.call_order!r}")
     if not set(drivers) <= {"thread", "loop"}:
         p.error(f"--scheduler takes thread, loop or both, got {args.scheduler!r}")
     if "loop" in drivers and args.clients != "asyncio":
         p.error("--scheduler loop schedules from the clients' event loop: it needs --clients asyncio")
-    # Each K runs under every (switch interval, queue_behind, scheduler, call order) variant, one after the other, on
-    # the same open vocoder.
-    variants = [(ms, qb, d, o) for ms in intervals_ms for qb in queue_behinds for d in drivers for o in orders]
+    # Each K runs under every (switch interval, queue_behind, scheduler) variant, one after the other, on the same
+    # open vocoder.
+    variants = [(ms, qb, d) for ms in intervals_ms for qb in queue_behinds for d in drivers]
     if args.cudnn_threads and (args.engine != "compiled" or "served" in args.configs):
         p.error("--cudnn-threads is for the compiled engine in process (hift-serve runs the engine's defaults)")
     for name in args.configs.split(","):
@@ -665,20 +658,19 @@ def main() -> None:
             warm_stream_s = round(time.perf_counter() - t1, 2)
         if name != "served":
             tune_garbage_collector()  # as hift-serve does once warm
-        # One record per variant (the same open vocoder): NAME, or NAME@si=MS / @qb=N / @sched=D / @order=O, joined by
-        # commas, for each axis with several values.
-        def key_of(ms: float | None, qb: int | None, driver: str, order: str) -> str:
+        # One record per variant (the same open vocoder): NAME, or NAME@si=MS / @qb=N / @sched=D, joined by commas,
+        # for each axis with several values.
+        def key_of(ms: float | None, qb: int | None, driver: str) -> str:
             parts = (([f"si={ms:g}"] if len(intervals_ms) > 1 else []) + ([f"qb={qb}"] if len(queue_behinds) > 1 else [])
-                     + ([f"sched={driver}"] if len(drivers) > 1 else [])
-                     + ([f"order={order}"] if len(orders) > 1 else []))
+                     + ([f"sched={driver}"] if len(drivers) > 1 else []))
             return f"{name}@{','.join(parts)}" if parts else name
 
         # A served config schedules inside its servers (hift-serve's scheduler thread): no loop-driven variant.
         keys = {v: key_of(*v) for v in variants if name != "served" or v[2] == "thread"}
-        rows_of: dict[tuple[float | None, int | None, str, str], list[dict[str, Any]]] = {v: [] for v in keys}
+        rows_of: dict[tuple[float | None, int | None, str], list[dict[str, Any]]] = {v: [] for v in keys}
         backend = getattr(vocoder, "backend", None)
-        for (ms, qb, driver, order), key in keys.items():
-            result["configs"][key] = {"call_order": order, "open_and_warmup_s": ready_s,
+        for (ms, qb, driver), key in keys.items():
+            result["configs"][key] = {"open_and_warmup_s": ready_s,
                                       "inline_lone_calls": getattr(getattr(vocoder, "scheduler", None),
                                                                    "inline_lone_calls", None),
                                       "warm_stream_s": warm_stream_s, "parity_max_abs_vs_cpu": parity,
@@ -691,21 +683,18 @@ def main() -> None:
                                                  + (f" x {args.served_processes} processes" if args.served_processes > 1 else "")
                                                  if name == "served" else
                                                  getattr(backend, "name", name)),
-                                      "gpu_memory_after_warmup_mb": gpu_memory_mb(),
-                                      "runs": rows_of[(ms, qb, driver, order)],
+                                      "gpu_memory_after_warmup_mb": gpu_memory_mb(), "runs": rows_of[(ms, qb, driver)],
                                       "warmup_seconds_by_shape": getattr(backend, "warmup_seconds", None)}
         try:
             for k in [k for k in ks for _ in range(args.repeats)]:
                 ended = 0
-                for (ms, qb, driver, order), key in keys.items():
+                for (ms, qb, driver), key in keys.items():
                     if ms is not None:
                         sys.setswitchinterval(ms / 1e3)
                     if qb is not None and getattr(vocoder, "scheduler", None) is not None:
                         vocoder.scheduler.queue_behind = qb
-                    if getattr(vocoder, "scheduler", None) is not None:
-                        vocoder.scheduler.by_playback = order == "playback"
                     row = run_k(vocoder, k, args.seconds, args.clients, collections, driver == "loop", args.schedule)
-                    rows_of[(ms, qb, driver, order)].append(row)
+                    rows_of[(ms, qb, driver)].append(row)
                     print(key, json.dumps(row), flush=True)
                     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
                     # A miss does not end the ramp: a batching runtime can keep up better at larger K (bigger

@@ -118,7 +118,6 @@ class PushScheduler:
         self.inline_quiet_s = 0.02
         self._last_settled_at = -math.inf
         self.pushes_in_progress = pushes_in_progress or (lambda: 0)
-        self.by_playback = True  # (being measured) calls of pushes with listeners due by their playback, not readiness
         self.stats = BatchStats()
         self._arrivals: list[_Push] = []
         self._cancellations: list[_Push] = []
@@ -506,8 +505,7 @@ class PushScheduler:
         else:
             push.call_ready_at = time.monotonic()
             ahead = push.call.audio_ahead_s
-            push.due_at = push.call_ready_at if ahead is None or not self.by_playback else \
-                push.handed_over_at + ahead
+            push.due_at = push.call_ready_at if ahead is None else push.handed_over_at + ahead
             ready.append(push)
 
     def _fail(self, push: _Push, exc: BaseException, close_steps: bool = True) -> None:

@@ -454,7 +454,7 @@ def test_a_push_with_a_listener_tells_the_scheduler_how_much_audio_it_handed_out
 def test_calls_of_pushes_whose_listeners_have_audio_wait_for_those_that_have_none():
     """The scheduler runs the call due first: a push's arrival plus the audio it has handed to its listener, or for a
     push without a listener, when its call became ready. A push 0.5 s of audio ahead waits for a fresh push that
-    arrived after it and for a whole push; with the order by readiness alone (being measured) it goes first."""
+    arrived after it and for a whole push."""
     from hift_runtime.batching import PushScheduler
     from hift_runtime.engine import EngineTraits, StepCall
 
@@ -474,19 +474,17 @@ def test_calls_of_pushes_whose_listeners_have_audio_wait_for_those_that_have_non
         yield StepCall("f0", (np.zeros((1, 2, frames), np.float32), None), audio_ahead_s=ahead)
         return np.zeros(1, np.float32)
 
-    for by_playback, want in ((True, [12, 13, 11]), (False, [11, 12, 13])):
-        backend = Gated()
-        scheduler = PushScheduler(backend, max_batch=256)  # nothing queues behind the gated call (queue_behind 64)
-        scheduler.by_playback = by_playback
-        threads = [threading.Thread(target=scheduler.run, args=(one_call(10, None),))]
-        threads[0].start()
-        assert backend.entered.wait(10)
-        for frames, ahead in ((11, 0.5), (12, 0.0), (13, None)):  # arriving in this order, 20 ms apart
-            threads.append(threading.Thread(target=scheduler.run, args=(one_call(frames, ahead),)))
-            threads[-1].start()
-            time.sleep(0.02)
-        backend.gate.set()
-        for t in threads:
-            t.join(10)
-        scheduler.close()
-        assert backend.order == [10, *want], by_playback
+    backend = Gated()
+    scheduler = PushScheduler(backend, max_batch=256)  # nothing queues behind the gated call (queue_behind 64)
+    threads = [threading.Thread(target=scheduler.run, args=(one_call(10, None),))]
+    threads[0].start()
+    assert backend.entered.wait(10)
+    for frames, ahead in ((11, 0.5), (12, 0.0), (13, None)):  # arriving in this order, 20 ms apart
+        threads.append(threading.Thread(target=scheduler.run, args=(one_call(frames, ahead),)))
+        threads[-1].start()
+        time.sleep(0.02)
+    backend.gate.set()
+    for t in threads:
+        t.join(10)
+    scheduler.close()
+    assert backend.order == [10, 12, 13, 11]
