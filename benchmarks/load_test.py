@@ -495,13 +495,19 @@ def kept(row: dict[str, Any]) -> bool:
     return row["push_p95_ms"] <= P95_BOUND_MS and not row["errors"]
 
 
+def bounded_p95_ms(row: dict[str, Any]) -> float:
+    """The p95 the bound applies to: a chunk's first audio at CosyVoice3's chunks (a whole push may take longer while
+    its first pieces play), else the whole push."""
+    return row.get("chunk_first_audio_p95_ms", row["push_p95_ms"])
+
+
 def p95_by_k(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Each K's runs summed up: how many, the median p95 and its range, and how many kept the bound (no errors)."""
     by_k: dict[int, list[dict[str, Any]]] = {}
     for row in rows:
         by_k.setdefault(row["k"], []).append(row)
-    return {str(k): {"runs": len(runs), "median_ms": round(float(np.median([r["push_p95_ms"] for r in runs])), 2),
-                     "min_ms": min(r["push_p95_ms"] for r in runs), "max_ms": max(r["push_p95_ms"] for r in runs),
+    return {str(k): {"runs": len(runs), "median_ms": round(float(np.median([bounded_p95_ms(r) for r in runs])), 2),
+                     "min_ms": min(bounded_p95_ms(r) for r in runs), "max_ms": max(bounded_p95_ms(r) for r in runs),
                      "kept_runs": sum(kept(r) for r in runs)}
             for k, runs in by_k.items()}
 
@@ -699,7 +705,7 @@ def main() -> None:
                     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
                     # A miss does not end the ramp: a batching runtime can keep up better at larger K (bigger
                     # batches). A collapse (p95 past 10x the bound) or an error does, once every interval had one.
-                    ended += row["push_p95_ms"] > 10 * P95_BOUND_MS or bool(row["errors"])
+                    ended += bounded_p95_ms(row) > 10 * P95_BOUND_MS or bool(row["errors"])
                 if ended == len(keys):
                     break
         finally:  # a served config's server never outlives the script
