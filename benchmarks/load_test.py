@@ -502,7 +502,8 @@ def bounded_p95_ms(row: dict[str, Any]) -> float:
 
 
 def p95_by_k(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Each K's runs summed up: how many, the median p95 and its range, and how many kept the bound (no errors)."""
+    """Each K's runs summed up: how many, the median of the p95 the bound applies to (:func:`bounded_p95_ms`) and its
+    range, and how many kept the bounds (no errors)."""
     by_k: dict[int, list[dict[str, Any]]] = {}
     for row in rows:
         by_k.setdefault(row["k"], []).append(row)
