@@ -422,12 +422,15 @@ class PushScheduler:
         return self.max_wait_s - (time.monotonic() - min(p.call_ready_at for p in group))
 
     def _group_of(self, ready: list[_Push]) -> list[_Push]:
-        """The call due first and every ready call of the same key, the earliest due first. Due per call, so one
-        stream's long push cannot keep other streams' calls of other shapes waiting; and a push that has handed audio
-        to its listener lets calls whose listeners have none yet go first, for as long as that audio plays."""
-        key = min(ready, key=lambda p: p.due_at).call.key  # type: ignore[union-attr]
-        return sorted((p for p in ready if p.call.key == key),  # type: ignore[union-attr]
-                      key=lambda p: p.due_at)
+        """The call due first and every ready call of the same key; past ``max_batch`` of them, the earliest due
+        first. Due per call, so one stream's long push cannot keep other streams' calls of other shapes waiting; and a
+        push that has handed audio to its listener lets calls whose listeners have none yet go first, for as long as
+        that audio plays. (Two passes over the ready calls and no sort below a full batch: it runs at every call.)"""
+        key = min(ready, key=_due_at).call.key  # type: ignore[union-attr]
+        group = [p for p in ready if p.call.key == key]  # type: ignore[union-attr]
+        if len(group) > self.max_batch:
+            group.sort(key=_due_at)
+        return group
 
     def _launch_if_due(self, ready: list[_Push], min_group: int = 1, inline: bool = False) -> _Flight | None:
         """The next batched call, unless nothing is ready, its group is smaller than ``min_group`` or still waits for
@@ -435,7 +438,7 @@ class PushScheduler:
         runs here, in the scheduling thread, and comes back landed (see ``inline_lone_calls``)."""
         if not ready:
             return None
-        group = self._group_of(ready)  # computed once: it is sorted over every ready push
+        group = self._group_of(ready)  # computed once: two passes over every ready push
         if len(group) < min_group or self._partner_wait(group) > 0:
             return None
         group = group[: self.max_batch]
@@ -555,6 +558,10 @@ class _LoopWaker:
         for future in futures:
             if not future.done():
                 future.set_result(None)
+
+
+def _due_at(push: _Push) -> float:
+    return push.due_at
 
 
 def _outcome(push: _Push) -> np.ndarray:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -156,10 +156,12 @@ class StepCall:
     # Seconds of audio the push has handed to its listener (on_audio) before this call: its playback can wait that
     # long past the push's arrival. None: a push whose audio goes out whole, at its end.
     audio_ahead_s: float | None = None
+    # Calls of one key batch together: the kind and the step's mel frames (they fix every input's shape). Computed
+    # once: the scheduler compares it over every waiting call each time it forms a group.
+    key: tuple[str, int] = field(init=False, repr=False)
 
-    @property
-    def key(self) -> tuple[str, int]:
-        return self.kind, self.args[0].shape[2]  # the step's mel frames fix every input's shape
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", (self.kind, self.args[0].shape[2]))
 
     def run(self, backend: VocoderBackend) -> Any:
         if self.kind == "f0":
