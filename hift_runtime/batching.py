@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import heapq
+import itertools
 import math
 import threading
 import time
@@ -78,6 +80,7 @@ class _Push:
     # lasts that long), or for a push whose audio goes out whole, when the call became ready. Orders the calls.
     due_at: float = 0.0
     wrote_caches: bool = False  # a call of it that writes device caches in place has run: it cannot be undone
+    ready_seq: int = -1  # its entry in the ready calls' heap while its call waits there (-1: not waiting)
     quiet: bool = False  # it arrived alone, after the scheduler had been empty a while (inline_quiet_s)
     cancelled: bool = False
     settled: bool = False  # set once, by _finish under the scheduler's lock
@@ -127,7 +130,7 @@ class PushScheduler:
         self._wakers: weakref.WeakKeyDictionary[Any, _LoopWaker] = weakref.WeakKeyDictionary()  # one per loop
         # The batched calls run here, so the scheduler thread keeps Python work going while the device computes.
         self._device = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hift-batch-call")
-        self._ready: list[_Push] = []  # pushes whose next call waits for the device
+        self._ready = _ReadyCalls()  # pushes whose next call waits for the device
         self._flights: collections.deque[_Flight] = collections.deque()  # on the device (the first), queued behind
         # Who runs the scheduling: this scheduler's own thread (None), or an event loop (attach_loop) in its thread.
         self._driver: Any = None
@@ -366,7 +369,7 @@ class PushScheduler:
         ready, flights = self._ready, self._flights
         if closing:
             closed = SchedulerClosed("the vocoder's scheduler was closed (vocoder.close()) during this push")
-            for p in arrivals + ready:
+            for p in arrivals + list(ready):
                 self._fail(p, closed)
             ready.clear()
             while flights:  # each one's answer first (close() stops waiting after its timeout)
@@ -393,7 +396,7 @@ class PushScheduler:
             self._launch_due(flights, ready)
         return False
 
-    def _launch_due(self, flights: collections.deque[_Flight], ready: list[_Push]) -> None:
+    def _launch_due(self, flights: collections.deque[_Flight], ready: _ReadyCalls) -> None:
         """Start the next batched calls that are due (called when the device is idle or a call has landed): with the
         device idle, a group as soon as one is ready (and done waiting for partners); behind a call on the device,
         one more, only of ``queue_behind`` calls or more. Queued, it starts the moment the device is free instead of
@@ -421,29 +424,27 @@ class PushScheduler:
             return 0.0
         return self.max_wait_s - (time.monotonic() - min(p.call_ready_at for p in group))
 
-    def _group_of(self, ready: list[_Push]) -> list[_Push]:
+    def _group_of(self, ready: _ReadyCalls) -> list[_Push]:
         """The call due first and every ready call of the same key; past ``max_batch`` of them, the earliest due
         first. Due per call, so one stream's long push cannot keep other streams' calls of other shapes waiting; and a
         push that has handed audio to its listener lets calls whose listeners have none yet go first, for as long as
-        that audio plays. (Two passes over the ready calls and no sort below a full batch: it runs at every call.)"""
-        key = min(ready, key=_due_at).call.key  # type: ignore[union-attr]
-        group = [p for p in ready if p.call.key == key]  # type: ignore[union-attr]
+        that audio plays."""
+        group = ready.first_group()
         if len(group) > self.max_batch:
             group.sort(key=_due_at)
         return group
 
-    def _launch_if_due(self, ready: list[_Push], min_group: int = 1, inline: bool = False) -> _Flight | None:
+    def _launch_if_due(self, ready: _ReadyCalls, min_group: int = 1, inline: bool = False) -> _Flight | None:
         """The next batched call, unless nothing is ready, its group is smaller than ``min_group`` or still waits for
         partners (the loop then waits, at most until the partner wait is over). ``inline``: a call of one quiet push
         runs here, in the scheduling thread, and comes back landed (see ``inline_lone_calls``)."""
         if not ready:
             return None
-        group = self._group_of(ready)  # computed once: two passes over every ready push
+        group = self._group_of(ready)
         if len(group) < min_group or self._partner_wait(group) > 0:
             return None
         group = group[: self.max_batch]
-        taken = set(map(id, group))
-        ready[:] = [p for p in ready if id(p) not in taken]
+        ready.take(group)
         calls = [p.call for p in group]
         for p in group:
             p.wrote_caches |= p.call.writes_caches  # type: ignore[union-attr]
@@ -467,7 +468,7 @@ class PushScheduler:
         with self._cv:
             self._wake()
 
-    def _land(self, flight: _Flight, ready: list[_Push]) -> None:
+    def _land(self, flight: _Flight, ready: _ReadyCalls) -> None:
         try:
             results, busy = flight.future.result()
         except BaseException as exc:  # noqa: BLE001 - raised in every push of this call, and no other
@@ -488,7 +489,7 @@ class PushScheduler:
         for p, result in zip(flight.group, results):
             self._send(p, result, ready)
 
-    def _send(self, push: _Push, value: Any, ready: list[_Push]) -> None:
+    def _send(self, push: _Push, value: Any, ready: _ReadyCalls) -> None:
         """Send a call's result into the push; it stops at its next call (ready) or ends. A cancelled push that has
         written no device caches is stopped here instead (its stream unchanged)."""
         if push.settled:  # failed by close() while its call was on the device
@@ -509,7 +510,7 @@ class PushScheduler:
             push.call_ready_at = time.monotonic()
             ahead = push.call.audio_ahead_s
             push.due_at = push.call_ready_at if ahead is None else push.handed_over_at + ahead
-            ready.append(push)
+            ready.add(push)
 
     def _fail(self, push: _Push, exc: BaseException, close_steps: bool = True) -> None:
         if push.settled:
@@ -530,6 +531,65 @@ class PushScheduler:
                 push.waiter.set()
         if push.on_done is not None:
             push.on_done()
+
+
+class _ReadyCalls:
+    """The pushes whose next call waits for the device: bucketed by their call's key, with a heap of their due times
+    (stale entries dropped as they surface), so the group due first is found without a pass over every waiting call
+    (with thousands of streams, passes at every call took a fifth of the scheduling thread). A push's call must not
+    change while it is here."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[tuple[str, int], dict[_Push, None]] = {}  # insertion-ordered sets
+        self._heap: list[tuple[float, int, _Push]] = []  # (due_at, ready_seq, push); unique seqs: pushes never compared
+        self._count = 0
+        self._seq = itertools.count()
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __iter__(self) -> Any:
+        return iter([p for bucket in self._by_key.values() for p in bucket])  # a copy: callers may remove meanwhile
+
+    def __contains__(self, push: _Push) -> bool:
+        return push.ready_seq >= 0
+
+    def add(self, push: _Push) -> None:
+        self._by_key.setdefault(push.call.key, {})[push] = None  # type: ignore[union-attr]
+        self._count += 1
+        push.ready_seq = next(self._seq)
+        heapq.heappush(self._heap, (push.due_at, push.ready_seq, push))
+        if len(self._heap) > 4 * self._count + 64:  # taken pushes' entries, deep in the heap: dropped at once
+            self._heap = [(p.due_at, p.ready_seq, p) for bucket in self._by_key.values() for p in bucket]
+            heapq.heapify(self._heap)
+
+    def remove(self, push: _Push) -> None:
+        key = push.call.key  # type: ignore[union-attr]
+        bucket = self._by_key[key]
+        del bucket[push]
+        if not bucket:
+            del self._by_key[key]
+        self._count -= 1
+        push.ready_seq = -1
+
+    def take(self, pushes: list[_Push]) -> None:
+        for p in pushes:
+            self.remove(p)
+
+    def clear(self) -> None:
+        for bucket in self._by_key.values():
+            for p in bucket:
+                p.ready_seq = -1
+        self._by_key.clear()
+        self._heap.clear()
+        self._count = 0
+
+    def first_group(self) -> list[_Push]:
+        """Every waiting push whose call has the key of the call due first (at least one push must wait)."""
+        heap = self._heap
+        while heap[0][2].ready_seq != heap[0][1]:  # taken (or taken and back with a new entry) since it was pushed
+            heapq.heappop(heap)
+        return list(self._by_key[heap[0][2].call.key])  # type: ignore[union-attr]
 
 
 class _LoopWaker:
