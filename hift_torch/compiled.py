@@ -48,9 +48,11 @@ from .cudnn import (HEURISTIC_MODE_B_ENV, ChoosingThreads, cudnn_threads_for_mem
 from .weights import load_folded
 
 log = logging.getLogger("hift_runtime")
-# Batch sizes captured for cross-stream batching. No B = 1: one compile with a dynamic batch serves B >= 2 (dynamo
-# specialises size 1, which would be a compile more); a lone stream runs padded to 2.
-BATCH_SIZES = (2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
+# Batch sizes captured for cross-stream batching: every 1.5x from 4, since a call pads to the next and costs about in
+# proportion to its padded size (CosyVoice3's chunks batch 10-60 streams a call: BENCHMARKS.md, decision log). No
+# B = 1: one compile with a dynamic batch serves B >= 2 (dynamo specialises size 1, which would be a compile more); a
+# lone stream runs padded to 2.
+BATCH_SIZES = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # Each step size is a compile of its own (a dynamic frame axis recompiles at every size threshold of the
 # convolutions anyway), so few: a 24-frame chunk stream meets 24, and 8 + 8 + 4 at its start.
 STEP_SIZES = (24, 8, 4, 1)
