@@ -554,8 +554,6 @@ def main() -> None:
                    help="who schedules in-process asyncio runs: thread (the scheduler's own thread, the default) or "
                         "loop (their event loop's thread: PushScheduler.attach_loop). Both, comma-separated "
                         "(thread,loop): each K runs under each, recorded as NAME@sched=loop")
-    p.add_argument("--loop-scheduler", dest="scheduler", action="store_const", const="loop",
-                   help="the same as --scheduler loop")
     p.add_argument("--cudnn-threads", type=int, default=None,
                    help="threads the compiled engine's warmup chooses cuDNN's algorithms in (CompiledOptions.cudnn_threads; "
                         "default: the engine's)")
