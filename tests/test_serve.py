@@ -233,17 +233,14 @@ def _free_ports(n: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def server(small_artifacts, tmp_path_factory):
-    # A long step-batcher wait so the 8 test clients are seen in shared batches on a busy 2-core machine. The streams
-    # capped by hand: the default is what this CPU keeps in real time, 1 on a slow or busy 2-core machine, and a test
-    # opens 8 at once.
-    yield from _live_server(small_artifacts, tmp_path_factory, ["--max-wait-ms", "20", "--max-streams", "16"])
+    # A long step-batcher wait so the 8 test clients are seen in shared batches on a busy 2-core machine.
+    yield from _live_server(small_artifacts, tmp_path_factory, ["--max-wait-ms", "20"])
 
 
 @pytest.fixture(scope="module")
 def second_server(small_artifacts, tmp_path_factory):
-    # Two processes under one supervisor (--processes 2): process 1 on every port + 10. The streams capped by hand (4
-    # a process): the default is what this CPU keeps in real time, 2 on a slow 2-core machine, and a test sends 4 at
-    # once to process 0.
+    # Two processes under one supervisor (--processes 2): process 1 on every port + 10; 4 streams a process (a test
+    # sends 4 at once to process 0).
     yield from _live_server(small_artifacts, tmp_path_factory, ["--processes", "2", "--max-streams", "8"], processes=2)
 
 
@@ -253,6 +250,8 @@ def _live_server(small_artifacts, tmp_path_factory, options: list[str], processe
         http, grpc, metrics, state = _free_ports(4)
         if processes == 1 or _all_free([p + 10 * i for p in (http, grpc, metrics, state) for i in range(1, processes)]):
             break
+    if "--max-streams" not in options:  # the default is what this CPU keeps in real time: 1 on a busy 2-core machine
+        options = [*options, "--max-streams", "16"]  # and a test opens 8 streams at once
     log = tmp_path_factory.mktemp("serve") / "hift-serve.log"
     cmd = [sys.executable, "-m", "hift_runtime.server", "--artifacts", str(small_artifacts.out), "--device", "cpu",
            "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
@@ -677,7 +676,7 @@ def test_a_missing_export_is_said_before_a_busy_port(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def pieces_server(small_artifacts, tmp_path_factory):
-    yield from _live_server(small_artifacts, tmp_path_factory, ["--audio-pieces", "--max-streams", "16"])  # as server
+    yield from _live_server(small_artifacts, tmp_path_factory, ["--audio-pieces"])
 
 
 def test_a_pieces_server_sends_each_steps_audio_as_it_is_made(pieces_server, vocoder):
