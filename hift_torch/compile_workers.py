@@ -33,6 +33,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+# Device memory one worker is given room for at warmup (a worker was seen holding 3.05 GiB: its CUDA context, the
+# model, the cache pool at 2 048 slots), so the starting process's cuDNN threads leave it free.
+WORKER_DEVICE_BYTES = 5 << 30
+
 # Source files whose code shapes the compiled graphs: a change in them makes the marker stale (inductor's own keys
 # change with the graphs; the marker must not claim a warm cache that no longer matches).
 _GRAPH_SOURCES = ("hift_model/step.py", "hift_model/layers.py", "hift_model/generator.py",
@@ -131,6 +135,15 @@ def precompile(backend: Any, step_sizes: tuple[int, ...], say: Callable[[str], N
         if all(value is not None for value in seconds.values()):
             marker.touch()
     return marker
+
+
+def workers_device_bytes(backend: Any, step_sizes: tuple[int, ...]) -> int:
+    """The device memory a start's compile workers will hold beside its warmup: none where the marker says the cache
+    is warm or the engine compiles in turn, else :data:`WORKER_DEVICE_BYTES` for each worker running at once."""
+    if not backend.compiled or backend.compile_processes <= 1 or warm_marker(backend, step_sizes).exists():
+        return 0
+    units = len(compile_units(backend.generator_graph_sizes(step_sizes), backend.final_frames))
+    return min(units, backend.compile_processes) * WORKER_DEVICE_BYTES
 
 
 def warm_marker(backend: Any, step_sizes: tuple[int, ...]) -> Path:

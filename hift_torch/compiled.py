@@ -42,7 +42,7 @@ from hift_runtime.options import OFFLINE_SLOTS, PRECISIONS, CompiledOptions
 from hift_runtime.process_tuning import HANDOFF_SWITCH_INTERVAL_S, switch_interval_at_most
 
 from .capture import CacheRows, CapturedCall, HostMirrors
-from .compile_workers import compile_units, precompile
+from .compile_workers import compile_units, precompile, workers_device_bytes
 from .cudnn import (HEURISTIC_MODE_B_ENV, ChoosingThreads, cudnn_threads_for_memory, heuristic_mode_b_asked,
                     use_heuristic_mode_b)
 from .weights import load_folded
@@ -330,7 +330,8 @@ class CompiledBackend:
         started = time.perf_counter()
         marker = None
         shapes = self.capture_plan(step_sizes)
-        count = self.cudnn_threads or cudnn_threads_for_memory(torch.cuda.mem_get_info(self.device)[0])
+        count = self.cudnn_threads or cudnn_threads_for_memory(torch.cuda.mem_get_info(self.device)[0],
+                                                               others_bytes=workers_device_bytes(self, step_sizes))
         threads = ChoosingThreads(self.device, shapes if self.cuda_graphs else [], count)
         # (closed, its threads joined, before the switches and the interval they run under are restored)
         with self._lock, self.precision_scope(), switch_interval_at_most(HANDOFF_SWITCH_INTERVAL_S), \

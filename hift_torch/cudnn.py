@@ -31,10 +31,11 @@ def heuristic_mode_b_asked(value: str) -> bool:
     return value.strip().lower() in ("1", "on", "true", "yes", "y")
 
 
-def cudnn_threads_for_memory(free_bytes: int, at_most: int = MAX_CUDNN_THREADS) -> int:
-    """The warmup's choosing threads when none are set: one per :data:`CUDNN_THREAD_BYTES` of free device memory, at
-    least one, at most ``at_most``."""
-    return max(1, min(at_most, free_bytes // CUDNN_THREAD_BYTES))
+def cudnn_threads_for_memory(free_bytes: int, at_most: int = MAX_CUDNN_THREADS, others_bytes: int = 0) -> int:
+    """The warmup's choosing threads when none are set: one per :data:`CUDNN_THREAD_BYTES` of the free device memory
+    left once ``others_bytes`` (what compile workers beside the warmup will hold) is kept aside, at least one, at
+    most ``at_most``."""
+    return max(1, min(at_most, (free_bytes - others_bytes) // CUDNN_THREAD_BYTES))
 
 
 class ChoosingThreads:

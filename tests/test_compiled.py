@@ -494,6 +494,9 @@ def test_the_choosing_threads_default_to_what_the_device_memory_holds():
     assert cudnn_threads_for_memory(0) == 1 and cudnn_threads_for_memory(3 * CUDNN_THREAD_BYTES + 1) == 3
     assert cudnn_threads_for_memory(135 << 30) == 8  # an H200's free memory: the default's eight
     assert cudnn_threads_for_memory(135 << 30, at_most=1) == 1
+    # An H100's free memory while five compile workers start beside the warmup: room is left for them.
+    assert cudnn_threads_for_memory(79 << 30, others_bytes=5 * (5 << 30)) == 6
+    assert cudnn_threads_for_memory(10 << 30, others_bytes=25 << 30) == 1
     with pytest.raises(ValueError, match="cudnn_threads must be >= 1"):
         CompiledOptions(cudnn_threads=0)
 
