@@ -32,6 +32,12 @@ def concat_rows(arrays: list[np.ndarray]) -> np.ndarray:
     return np.frombuffer(bytearray().join(arrays), first.dtype).reshape(-1, *tail)
 
 
+def contiguous_copy(array: np.ndarray) -> np.ndarray:
+    """A writable C-contiguous copy of ``array`` (any strides: a slice of a stream's mel, a row of a batch's audio),
+    made under the GIL (``np.ascontiguousarray`` and ``.copy()`` hand it away)."""
+    return np.frombuffer(bytearray(memoryview(array)), array.dtype).reshape(array.shape)
+
+
 def copy_rows(array: np.ndarray, rows: int) -> np.ndarray:
     """A copy of ``array[:rows]`` (``array`` C-contiguous), made under the GIL."""
     out = np.empty((rows, *array.shape[1:]), array.dtype)

@@ -56,7 +56,7 @@ from typing import Any
 
 import numpy as np
 
-from .arrays import concat_rows
+from .arrays import concat_rows, contiguous_copy
 from .contract import StreamConstants
 from .engine import CancelToken, StepCall, VocoderBackend, drive, split_steps
 from .errors import OverloadError, PushCancelled, SchedulerClosed, StreamError
@@ -510,8 +510,10 @@ class VocoderStream:
         writes = self._in_place and kind == "generator"  # a final step leaves the caches: the stream ends
         if writes:
             self._caches_written = True  # until the commit, a failure (not a cancellation) loses the stream
-        # Every array C-contiguous: a batched call stacks them as bytes (arrays.concat_rows).
-        args = (np.ascontiguousarray(mel[None]), f0[None], noise, phase, np.array([[position == 0]]), caches)
+        # Every array C-contiguous: a batched call stacks them as bytes (arrays.concat_rows). Copies under the GIL
+        # (arrays.contiguous_copy): each NumPy copy would hand it away, two or three times a step.
+        args = (contiguous_copy(mel[None]) if window is None else mel[None], f0[None], noise, phase,
+                np.array([[position == 0]]), caches)
         return StepCall(kind, args if window is None else (*args, np.array([[frames]], np.int64)), writes,
                         audio_ahead_s)
 
@@ -521,7 +523,7 @@ class VocoderStream:
         if on_audio is not None and piece.shape[0]:
             self._audio_out = True
             try:
-                on_audio(piece.copy())
+                on_audio(contiguous_copy(piece))
             except Exception as exc:  # the caller's code, not the backend's: the vocoder stays healthy
                 raise StreamError(f"the on_audio callback raised {type(exc).__name__}: {exc}; the stream is lost, "
                                   f"open a new one") from exc
@@ -565,7 +567,7 @@ class VocoderStream:
                 if self._f0_in_place:
                     self._caches_written = True  # as for the generator's steps (_generator_call)
                 out, f0_caches = yield StepCall(
-                    "f0", (np.ascontiguousarray(f0_window[None, :, at:at + size + c.f0_look_ahead]), f0_caches),
+                    "f0", (contiguous_copy(f0_window[None, :, at:at + size + c.f0_look_ahead]), f0_caches),
                     self._f0_in_place, ahead)
                 new.append(out[0])
                 f0_known += size
