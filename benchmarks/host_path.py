@@ -129,10 +129,11 @@ class ModelledDevice(InstantDevice):
         return super().generator_step(mel, f0, noise, phase_in, first, caches, final, frames)
 
 
-# Step sizes of the stand-in: the ORT engine's, the compiled engine's (its F0 at every size up to 24 frames), or the
-# compiled engine's generator sizes for the F0 too (as before it captured its F0 apart). The compiled ones take noise
-# positions, as that engine does (its noise table on the device).
-STEP_SIZES = {"ort": ((24, 16, 8, 4, 2, 1), None), "compiled": ((24, 8, 4, 1), tuple(range(24, 0, -1))),
+# Step sizes of the stand-in: the ORT engine's, the compiled engine's (hift_torch.compiled: its F0 at every size up to
+# 25 frames and at F0_SIZES_PAST_THE_STEP), or the compiled engine's generator sizes for the F0 too (as before it
+# captured its F0 apart). The compiled ones take noise positions, as that engine does (its noise table on the device).
+STEP_SIZES = {"ort": ((24, 16, 8, 4, 2, 1), None),
+              "compiled": ((24, 8, 4, 1), (100, 76, 50, 38, 26, *range(25, 0, -1))),
               "compiled-f0-split": ((24, 8, 4, 1), None)}
 STEP_SIZES["compiled-final-window"] = STEP_SIZES["compiled"]
 # The sizes whose stand-in has the final window, sized as the compiled engine sizes it on CUDA (its largest step plus

@@ -545,11 +545,30 @@ class VocoderStream:
         f0, f0_caches = self._f0, self._f0_caches
         f0_end = base + f0.shape[0]
 
+        # The generator's steps: up to where mel look-ahead and source look-ahead are known; on finish, one final
+        # step (in a final window, the steps only reach the window's start, in steps of the largest size).
+        target = n if final else n - c.f0_look_ahead
+        position, f0_target = base, max(f0_end, target)  # F0 is known this far once the push's F0 calls are made
+        limit = min(n - c.mel_look_ahead, f0_target - c.source_look_ahead)
+        window, step_window = (self._v.final_window if final else None), self._v.step_window
+        if window is not None:
+            unit = self._v.steps_before_final_window or 1
+            limit = position + max(0, -(-(n - position - window) // unit) * unit)
+        step_plan = split_steps(limit - position, sizes, max_step, step_window)
+
         # 1. F0 of the frames that became computable (all remaining ones, with zero look-ahead, on finish): its calls
         # are planned here and made as the generator's steps need them, so a step's audio goes out after the F0 it
-        # reads, not after a long chunk's whole F0 (the same calls in the same order: the same values).
-        target = n if final else n - c.f0_look_ahead
+        # reads, not after a long chunk's whole F0 (the same calls in the same order: the same values). On an engine
+        # with F0 sizes past one step's F0, a call that large would hold back the push's first audio: the first calls
+        # cover what the first step reads, and the rest follows in as few calls as the sizes allow (a 200-frame
+        # chunk's F0 in three calls, not eight).
         f0_sizes_left = split_steps(target - f0_end, f0_sizes, max_step) if target > f0_end else []
+        one_step = self._v.steps_before_final_window
+        if step_plan and one_step is not None and f0_sizes_left and \
+                f0_sizes_left[0] > one_step + c.source_look_ahead:
+            first_need = max(f0_end, min(target, position + step_plan[0] + c.source_look_ahead))
+            f0_sizes_left = split_steps(first_need - f0_end, f0_sizes, max_step) + \
+                split_steps(target - first_need, f0_sizes, max_step)
         f0_window = mel[:, f0_end - base:]  # frames [f0_end, target + look-ahead)
         if final and f0_sizes_left:
             f0_window = np.concatenate([f0_window, np.zeros((c.in_channels, c.f0_look_ahead), np.float32)], axis=1)
@@ -575,16 +594,10 @@ class VocoderStream:
             if new:
                 f0 = concat_rows([f0, *new])
 
-        # 2. Generator steps up to where mel look-ahead and source look-ahead are known; on finish, one final step.
+        # 2. The generator's steps, then on finish the final step.
         phase, caches = self._phase, self._gen_caches
-        position, pieces, steps = base, [], []
-        f0_target = max(f0_end, target)  # F0 is known this far once the push's F0 calls are made
-        limit = min(n - c.mel_look_ahead, f0_target - c.source_look_ahead)
-        window, step_window = (self._v.final_window if final else None), self._v.step_window
-        if window is not None:  # the generator only as far as the window's start, in steps of the largest size
-            unit = self._v.steps_before_final_window or 1
-            limit = position + max(0, -(-(n - position - window) // unit) * unit)
-        for size in split_steps(limit - position, sizes, max_step, step_window):
+        pieces, steps = [], []
+        for size in step_plan:
             yield from f0_up_to(position + size + c.source_look_ahead)
             i = position - base
             audio, phase, caches = yield self._generator_call(

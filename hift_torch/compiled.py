@@ -58,6 +58,10 @@ BATCH_SIZES = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 STEP_SIZES = (24, 8, 4, 1)
 # Dynamo keeps this many compiles of one function before it falls back to eager without a word; ours are counted.
 RECOMPILE_LIMIT = 64
+# The F0 step's sizes past the stream step's: after the F0 its first step reads, the rest of a push's F0 goes in as
+# few calls as these allow (of CosyVoice3's 50-, 100- and 200-frame chunks: 26, 76 and 100 + 76 frames), each call
+# no longer on the device than about a 24-frame generator batch.
+F0_SIZES_PAST_THE_STEP = (26, 38, 50, 76, 100)
 # The generator's convolution layout per precision (BENCHMARKS.md, decision log: channels-last is fp16's only).
 CONV_LAYOUT = {"fp32": "channels-first", "tf32": "channels-first", "fp16": "channels-last"}
 # Where the stream step is one graph over its window (BENCHMARKS.md, decision log: fp32 only).
@@ -115,10 +119,11 @@ class CompiledBackend:
             else step_window
         self.step_window_frames = largest if step_window else None
         # The F0 step (eager, float64, cheap to capture) at every size up to the largest step plus its source
-        # look-ahead: a push's F0 is one call, not up to four, and an utterance's first step (which reads one frame's
-        # F0 beyond it) waits for one F0 call, not two.
-        self.f0_step_sizes = tuple(range(largest + constants.source_look_ahead, 0, -1)) \
-            if self.on_cuda and step_sizes else None
+        # look-ahead, so a step's F0 is one call and an utterance's first step (which reads one frame's F0 beyond it)
+        # waits for one F0 call, not two; and at the sizes past it, for the rest of a long push's F0.
+        self.f0_step_sizes = tuple(sorted(set(range(largest + constants.source_look_ahead, 0, -1)) | {
+            size for size in F0_SIZES_PAST_THE_STEP if size > largest}, reverse=True)) if self.on_cuda and step_sizes \
+            else None
         self.batch_sizes = tuple(sorted(set(batch_sizes))) if self.on_cuda else (1,)
         # A call is a graph replay and its wait: short enough for a quiet lone push's calls to be made in the
         # scheduling thread; an eager call on the CPU is not. Every call takes this engine's own lock.

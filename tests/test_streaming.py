@@ -259,6 +259,37 @@ def test_f0_sizes_past_the_largest_step_put_an_utterances_first_step_after_one_f
     assert_equal_to_offline(np.concatenate(pieces), vocoder.vocode(mel))
 
 
+def test_f0_sizes_past_one_steps_f0_make_a_long_chunks_f0_few_calls_after_its_first_steps(small_artifacts):
+    """F0 step sizes past one step's F0 (the compiled engine's on CUDA): a push's first F0 call still covers only what
+    its first step reads (a bigger call would hold back its first audio), and the rest of its F0 goes in as few calls
+    as the sizes allow: CosyVoice3's 200-frame chunk is 24 + 100 + 76 frames' F0 in three calls, not eight; its
+    100-frame chunk 24 + 76; the audio equals the offline pass."""
+    from hift_runtime import StreamingVocoder
+
+    opened = open_vocoder(small_artifacts.out, device="cpu")
+    backend, constants = opened.backend, opened.constants
+    la = constants.f0_look_ahead
+    backend.traits = dataclasses.replace(backend.traits, f0_step_sizes=(100, 76, 50, 38, 26, *range(25, 0, -1)))
+    calls: list[str] = []
+    f0_step, generator_step = backend.f0_step, backend.generator_step
+    f0_frames: list[int] = []
+    backend.f0_step = lambda mel, caches: calls.append("f0") or f0_frames.append(mel.shape[2] - la) or \
+        f0_step(mel, caches)
+    backend.generator_step = lambda *a: calls.append("gen") or generator_step(*a)
+    vocoder = StreamingVocoder(backend, constants, step_sizes=(24, 8, 4, 1))
+    mel = random_mel(400, 43)
+    stream = vocoder.stream()
+    pieces = [stream.push(mel[:, :50])]
+    assert calls[:2] == ["f0", "gen"] and f0_frames == [25, 22]  # 47 frames: never one 38 + 9 before the first step
+    for chunk, rest in (((50, 150), [76]), ((150, 350), [100, 76])):
+        calls.clear()
+        f0_frames.clear()
+        pieces.append(stream.push(mel[:, chunk[0]:chunk[1]]))
+        assert calls[:3] == ["f0", "gen", "f0"] and f0_frames == [24, *rest]
+    pieces.append(stream.finish(mel[:, 350:]))
+    assert_equal_to_offline(np.concatenate(pieces), vocoder.vocode(mel))
+
+
 def test_sixty_second_stream_equals_offline(small_vocoder, small_eager):
     mel = random_mel(3000, 12)
     pieces, stream = stream_all(small_vocoder, mel, [24] * 125)
