@@ -321,7 +321,7 @@ def test_rows_joined_as_bytes_equal_numpy_and_are_new_arrays():
     """The host path's copies under the GIL (arrays.py) give what np.concatenate gives, as arrays of their own; what
     they cannot copy that way (mixed dtypes, non-contiguous rows, mismatched shapes) goes to NumPy, which also
     raises for a shape that does not fit."""
-    from hift_runtime.arrays import concat_rows, copy_rows
+    from hift_runtime.arrays import concat_rows, contiguous_copy, copy_rows
 
     rng = np.random.default_rng(0)
     rows = [rng.random((n, 3, 4), dtype=np.float32) for n in (1, 2, 0, 5)]
@@ -337,6 +337,10 @@ def test_rows_joined_as_bytes_equal_numpy_and_are_new_arrays():
     part = copy_rows(table, 3)
     assert np.array_equal(part, table[:3]) and holds_just_its_values(part)
     assert np.array_equal(copy_rows(table[0], 4), table[0, :4])
+    for view in (table[None, :, 1:4], table[2, 1:], table[::-1, ::2], table[:0]):  # a step's window, a piece
+        copied = contiguous_copy(view)
+        assert np.array_equal(copied, view) and copied.flags.c_contiguous and copied.flags.writeable
+        assert copied.dtype == view.dtype and holds_just_its_values(copied) and not np.shares_memory(copied, table)
 
 
 def test_audio_goes_out_as_each_step_is_done(small_artifacts, alone):
