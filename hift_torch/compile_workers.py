@@ -137,10 +137,15 @@ def precompile(backend: Any, step_sizes: tuple[int, ...], say: Callable[[str], N
     return marker
 
 
+def compiles_side_by_side(backend: Any) -> bool:
+    """Whether ``backend``'s warmup compiles its step graphs in worker processes (unless the cache is warm)."""
+    return bool(backend.compiled) and backend.compile_processes > 1
+
+
 def workers_device_bytes(backend: Any, step_sizes: tuple[int, ...]) -> int:
     """The device memory a start's compile workers will hold beside its warmup: none where the marker says the cache
     is warm or the engine compiles in turn, else :data:`WORKER_DEVICE_BYTES` for each worker running at once."""
-    if not backend.compiled or backend.compile_processes <= 1 or warm_marker(backend, step_sizes).exists():
+    if not compiles_side_by_side(backend) or warm_marker(backend, step_sizes).exists():
         return 0
     units = len(compile_units(backend.generator_graph_sizes(step_sizes), backend.final_frames))
     return min(units, backend.compile_processes) * WORKER_DEVICE_BYTES

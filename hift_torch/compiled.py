@@ -42,7 +42,7 @@ from hift_runtime.options import OFFLINE_SLOTS, PRECISIONS, CompiledOptions
 from hift_runtime.process_tuning import HANDOFF_SWITCH_INTERVAL_S, switch_interval_at_most
 
 from .capture import CacheRows, CapturedCall, HostMirrors
-from .compile_workers import compile_units, precompile, workers_device_bytes
+from .compile_workers import compile_units, compiles_side_by_side, precompile, workers_device_bytes
 from .cudnn import (HEURISTIC_MODE_B_ENV, ChoosingThreads, cudnn_threads_for_memory, heuristic_mode_b_asked,
                     use_heuristic_mode_b)
 from .weights import load_folded
@@ -353,7 +353,7 @@ class CompiledBackend:
                     say(f"warmup: {kind}:{size} ready ({seconds:.0f} s; {time.perf_counter() - started:.0f} s since "
                         f"the start)")
 
-            if self.compiled and self.compile_processes > 1:
+            if compiles_side_by_side(self):
                 marker = precompile(self, step_sizes, say, when_compiled=first_call)
             for kind, size in compile_units(self.generator_graph_sizes(step_sizes), self.final_frames):
                 first_call(kind, size)
