@@ -8,8 +8,9 @@ fused into Triton kernels, cuDNN convolutions), behind the same bookkeeping and 
 * **Noise**: the noise table lives on the device; each step gathers its rows from the first row's index.
 * **CUDA graphs**: :meth:`CompiledBackend.warmup` compiles, runs and captures every shape a stream meets: the stream
   step (at each of :data:`STEP_SIZES`, or in fp32 one window of 24 frames for all of them), the final step (a window
-  of 28 frames: a stream's last push is one F0 call and one final call) and the F0 step (every size up to 25 frames),
-  each at every batch size; a call is the host's writes into pinned buffers, one replay and one wait.
+  of 28 frames: a stream's last push is one F0 call and one final call) and the F0 step (every size up to 25 frames,
+  and :data:`F0_SIZES_PAST_THE_STEP`), each at every batch size; a call is the host's writes into pinned buffers, one
+  replay and one wait.
 * **Precision** (``fp32``: TF32 off, parity; ``tf32``; ``fp16``: the convolution trunk in half precision, the source,
   STFT, phase and iSTFT head in float32). The F0 step runs in the export's F0 precision (float64 by default).
 
@@ -59,8 +60,9 @@ STEP_SIZES = (24, 8, 4, 1)
 # Dynamo keeps this many compiles of one function before it falls back to eager without a word; ours are counted.
 RECOMPILE_LIMIT = 64
 # The F0 step's sizes past the stream step's: after the F0 its first step reads, the rest of a push's F0 goes in as
-# few calls as these allow (of CosyVoice3's 50-, 100- and 200-frame chunks: 26, 76 and 100 + 76 frames), each call
-# no longer on the device than about a 24-frame generator batch.
+# few calls as these allow (of CosyVoice3's 50-, 100- and 200-frame chunks: 26, 76 and 100 + 76 frames). At most 100:
+# the F0 step costs about a fifth of the generator's per frame (BENCHMARKS.md), so one call holds the device no longer
+# than a 24-frame generator batch of the same streams.
 F0_SIZES_PAST_THE_STEP = (26, 38, 50, 76, 100)
 # The generator's convolution layout per precision (BENCHMARKS.md, decision log: channels-last is fp16's only).
 CONV_LAYOUT = {"fp32": "channels-first", "tf32": "channels-first", "fp16": "channels-last"}
