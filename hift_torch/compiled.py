@@ -123,9 +123,9 @@ class CompiledBackend:
         # The F0 step (eager, float64, cheap to capture) at every size up to the largest step plus its source
         # look-ahead, so a step's F0 is one call and an utterance's first step (which reads one frame's F0 beyond it)
         # waits for one F0 call, not two; and at the sizes past it, for the rest of a long push's F0.
-        self.f0_step_sizes = tuple(sorted(set(range(largest + constants.source_look_ahead, 0, -1)) | {
-            size for size in F0_SIZES_PAST_THE_STEP if size > largest}, reverse=True)) if self.on_cuda and step_sizes \
-            else None
+        one_step_f0 = largest + constants.source_look_ahead
+        self.f0_step_sizes = tuple(sorted({*range(1, one_step_f0 + 1), *F0_SIZES_PAST_THE_STEP}, reverse=True)) \
+            if self.on_cuda and step_sizes else None
         self.batch_sizes = tuple(sorted(set(batch_sizes))) if self.on_cuda else (1,)
         # A call is a graph replay and its wait: short enough for a quiet lone push's calls to be made in the
         # scheduling thread; an eager call on the CPU is not. Every call takes this engine's own lock.
