@@ -11,7 +11,7 @@ Per K: push latency p50/p95/p99 (from each push's due time to its return, so fal
 pushes timed from the call (``push_call_*``: the client's own lateness in starting a push left out, e.g. an event
 loop's timer waking up late), first-chunk latency, throughput (audio seconds produced per wall second), the share of
 the run's wall time inside the engine's calls (``calls_busy_share``: the device's busy share as the scheduler sees
-it), GPU memory. The bound is p95 <= 240 ms (half a chunk);
+it; served, the servers' schedulers, read from their state metrics), GPU memory. The bound is p95 <= 240 ms (half a chunk);
 the ramp goes on past a miss (larger batches can catch up) and stops at a collapse (p95 > 2.4 s) or an error.
 Configs: ``batched`` (the default on the GPU: cross-stream batching + CUDA graphs per step size
 and batch), ``batched_tf32`` (the same with TF32), ``per_stream`` (no batching: each stream's step is its own B = 1
@@ -151,18 +151,40 @@ class _Served:
                 total[key] = total.get(key, 0.0) + get(name)
         return total
 
-    def full_collections(self) -> tuple[float, float]:
-        """The servers' full garbage collections so far (summed) and the longest (ms), from their state metrics."""
+    def _state(self) -> list[dict[str, float]]:
+        """Each server's state metrics (hift-serve --state-metrics-port): sample name with its labels -> value."""
         import urllib.request
 
-        count, longest = 0.0, 0.0
-        for url in self.state_urls:
-            for line in urllib.request.urlopen(url, timeout=10).read().decode().splitlines():
-                if line.startswith("hift_gc_full_collections_total "):
-                    count += float(line.split()[1])
-                elif line.startswith("hift_gc_full_collection_max_seconds "):
-                    longest = max(longest, float(line.split()[1]) * 1e3)
-        return count, longest
+        return [dict((name, float(value)) for name, _, value in (line.rpartition(" ") for line in
+                     urllib.request.urlopen(url, timeout=10).read().decode().splitlines())
+                     if name and not name.startswith("#")) for url in self.state_urls]
+
+    def full_collections(self) -> tuple[float, float]:
+        """The servers' full garbage collections so far (summed) and the longest (ms), from their state metrics."""
+        states = self._state()
+        return (sum(s.get("hift_gc_full_collections_total", 0.0) for s in states),
+                max((s.get("hift_gc_full_collection_max_seconds", 0.0) * 1e3 for s in states), default=0.0))
+
+    def scheduler_counters(self) -> dict[str, Any]:
+        """The servers' schedulers so far, summed over the servers (their state metrics), as :func:`_counters` gives
+        an in-process scheduler's: calls, batches and busy seconds by kind; also the batches queued behind another
+        and the largest batch. With several processes on one device their calls overlap in time: the busy seconds'
+        sum can pass the wall time."""
+        by_kind: dict[str, list[float]] = {}
+        queued, largest = 0.0, 0.0
+        for state in self._state():
+            for name, value in state.items():
+                metric, _, labels = name.partition("{")
+                column = {"hift_step_calls_total": 0, "hift_step_batches_total": 1,
+                          "hift_step_busy_seconds_total": 2}.get(metric)
+                if column is not None:
+                    kind = labels.split('kind="', 1)[1].split('"', 1)[0]
+                    by_kind.setdefault(kind, [0.0, 0.0, 0.0])[column] += value
+                elif metric == "hift_step_batches_queued_total":
+                    queued += value
+                elif metric == "hift_step_batch_max":
+                    largest = max(largest, value)
+        return {"by_kind": by_kind, "queued": queued, "max_batch": largest}
 
     def close(self) -> None:
         for pool in getattr(self, "clients", []):
@@ -186,6 +208,9 @@ def triton_this_run(before: dict[str, float], after: dict[str, float]) -> dict[s
 def _counters(vocoder) -> dict[str, dict[str, list[float]]] | None:
     """The scheduler's calls/batches/busy seconds by kind and by step shape ("kind@mel frames"), copied (a later run
     must not change a reported row)."""
+    if isinstance(vocoder, _Served):
+        counters = vocoder.scheduler_counters()
+        return {"by_kind": counters["by_kind"]}
     stats = getattr(getattr(vocoder, "scheduler", None), "stats", None)
     if stats is None:
         return None
@@ -243,7 +268,14 @@ def run_k(vocoder, k: int, seconds: float, clients: str = "threads", collections
     utterance_firsts: list[float] = []
     before = _counters(vocoder)
     stats = getattr(getattr(vocoder, "scheduler", None), "stats", None)  # the same object over the run
-    queued_before = getattr(stats, "queued", 0)
+
+    def queued_and_largest() -> tuple[float, float]:  # batches started behind another so far, the largest batch
+        if isinstance(vocoder, _Served):
+            counters = vocoder.scheduler_counters()
+            return counters["queued"], counters["max_batch"]
+        return getattr(stats, "queued", 0), getattr(stats, "max_batch", 1)
+
+    queued_before = queued_and_largest()[0]
     triton_before = vocoder.batches() if isinstance(vocoder, _Served) else None
     collections_before = vocoder.full_collections()[0] if isinstance(vocoder, _Served) else 0.0
     if collections is not None:  # this process's garbage collections (hift_runtime.process_tuning.CollectionPauses)
@@ -411,8 +443,8 @@ def run_k(vocoder, k: int, seconds: float, clients: str = "threads", collections
                 "playback_lateness_p99_ms": round(float(np.percentile(lateness, 99)) * 1e3, 2)} if lateness else {}),
             "errors": len(errors), "first_error": errors[0] if errors else None,
             "refused_streams": refused[0], "streams_served": len(first),
-            "gpu_memory_mb": gpu_memory_mb(), "max_batch": getattr(stats, "max_batch", 1),
-            "queued_batches": getattr(stats, "queued", 0) - queued_before,  # started behind another on the device
+            "gpu_memory_mb": gpu_memory_mb(), "max_batch": queued_and_largest()[1],
+            "queued_batches": queued_and_largest()[0] - queued_before,  # started behind another on the device
             "gc_full_collections": full - collections_before, "gc_full_collection_max_ms": round(longest_ms, 1),
             **({"batcher_this_run": this_run} if this_run is not None else {}),
             **({"triton_total": served, "triton_this_run": triton_this_run(triton_before or {}, served)}

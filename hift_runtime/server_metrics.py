@@ -57,6 +57,8 @@ class ServerStateCollector:
                                      labels=["device"])
         busy = CounterMetricFamily("hift_device_busy_seconds", "seconds inside device calls, by device",
                                    labels=["device"])
+        busy_by_kind = CounterMetricFamily("hift_step_busy_seconds", "seconds inside device calls, by device and "
+                                           "kind (generator, final, f0)", labels=["device", "kind"])
         share = GaugeMetricFamily("hift_device_busy_share", "busy seconds / seconds since the server started, by "
                                   "device", labels=["device"])
         uptime = max(time.monotonic() - self.started, 1e-9)
@@ -64,14 +66,15 @@ class ServerStateCollector:
             if scheduler is None:
                 continue
             stats = scheduler.stats
-            for kind, (n_calls, n_batches, _) in sorted(stats.by_kind.items()):
+            for kind, (n_calls, n_batches, busy_s) in sorted(stats.by_kind.items()):
                 calls.add_metric([device, kind], n_calls)
                 batches.add_metric([device, kind], n_batches)
+                busy_by_kind.add_metric([device, kind], busy_s)
             largest.add_metric([device], stats.max_batch)
             queued.add_metric([device], stats.queued)
             busy.add_metric([device], stats.busy_s)
             share.add_metric([device], min(1.0, stats.busy_s / uptime))
-        yield from (calls, batches, largest, queued, busy, share)
+        yield from (calls, batches, busy_by_kind, largest, queued, busy, share)
         yield CounterMetricFamily("hift_gc_full_collections", "full garbage collections since the metrics started",
                                   value=self.pauses.count)
         yield CounterMetricFamily("hift_gc_full_collection_seconds", "seconds inside full garbage collections (every "

@@ -359,6 +359,7 @@ def test_live_server_refuses_bad_requests_clearly_and_keeps_serving(server, voco
     assert after["hift_open_streams"] == 0 and after["hift_streams_expired_total"] == 0
     assert after['hift_step_calls_total{device="0",kind="generator"}'] >= 2
     assert after['hift_step_batches_total{device="0",kind="generator"}'] >= 1
+    assert after['hift_step_busy_seconds_total{device="0",kind="generator"}'] > 0
     assert 0 < after['hift_device_busy_share{device="0"}'] <= 1
     assert after["hift_gc_frozen_objects"] > 0  # frozen once warm
     assert after["hift_gc_full_collections_total"] >= 0 and after["hift_gc_full_collection_max_seconds"] >= 0
