@@ -41,14 +41,17 @@ from hift_runtime.triton_python import TritonPythonModel  # noqa: E402,F401  (th
 
 def coalesce_pieces(replies: list[tuple[Any, ChunkReply, bool]]) -> list[tuple[Any, ChunkReply, bool]]:
     """Replies waiting to be sent, as ``(sender, reply, final)``, with each request's pieces that queued up one after
-    another joined into one piece (a request's final reply after them, as it is): fewer round trips to tritonserver
-    under load, the same audio in the same order for each request."""
+    another joined into one piece, and its final reply joined to them unless it carries an error (sent after them, as
+    it is): fewer round trips to tritonserver under load, the same audio in the same order for each request."""
     out: list[list[Any]] = []  # [sender, audio pieces, final, reply]
     open_piece: dict[int, list[Any]] = {}  # a request's piece still taking the pieces after it
     for sender, reply, final in replies:
         entry = open_piece.get(id(sender))
-        if entry is not None and not final:
+        if entry is not None and not (final and reply.error):
             entry[1].append(reply.audio)
+            if final:  # the request's last response, carrying the pieces that waited with it
+                entry[2] = True
+                del open_piece[id(sender)]
             continue
         entry = [sender, [reply.audio], final, reply]
         out.append(entry)

@@ -539,7 +539,7 @@ def test_two_processes_stream_exactly_refuse_alone_and_stop_cleanly(second_serve
     assert "Signal (" not in console
 
 
-def test_pieces_that_queued_up_for_one_request_go_out_as_one_before_its_final_reply():
+def test_pieces_that_queued_up_for_one_request_go_out_as_one_with_its_final_reply_unless_that_is_an_error():
     """The replier's coalescing (``--audio-pieces`` under load): a request's pieces waiting one after another become
     one piece, in order, its final reply after them as it was; other requests' replies keep their own order."""
     from hift_runtime.serving import ChunkReply
@@ -553,9 +553,9 @@ def test_pieces_that_queued_up_for_one_request_go_out_as_one_before_its_final_re
     queued = [(a, piece(1), False), (b, piece(9), False), (a, piece(2, 3), False), (a, ChunkReply(piece(4).audio,
               ""), True), (b, piece(8), False), (b, ChunkReply(np.zeros(0, np.float32), "refused"), True)]
     out = coalesce_pieces(queued)
+    # a's final reply joins its waiting pieces (one response, final); b's carries an error: sent after its pieces.
     assert [(s is a, r.audio.tolist(), r.error, f) for s, r, f in out] == [
-        (True, [1.0, 2.0, 3.0], "", False), (False, [9.0, 8.0], "", False), (True, [4.0], "", True),
-        (False, [], "refused", True)]
+        (True, [1.0, 2.0, 3.0, 4.0], "", True), (False, [9.0, 8.0], "", False), (False, [], "refused", True)]
     alone = coalesce_pieces(queued[:1])
     assert alone[0][1] is queued[0][1]  # nothing to join: the reply itself
 
