@@ -58,6 +58,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--audio-pieces", action="store_true",
                    help="answer each chunk with each step's audio as soon as it is made (a decoupled model: "
                         "gRPC streaming clients only; HTTP clients are refused)")
+    # An experiment while it is measured (BENCHMARKS.md): threads sending the replies, each request's through one of
+    # them in order; a send waits for tritonserver's answer, and more threads overlap those waits. Not listed.
+    p.add_argument("--reply-threads", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--triton-log", help="Triton's own log file (default: a file in the temp folder, path printed)")
     # Set by the supervisor of --processes N for each process (its share of the warmup's threads), not by users.
     p.add_argument("--cudnn-threads", type=int, default=None, help=argparse.SUPPRESS)
@@ -67,9 +70,9 @@ def parser() -> argparse.ArgumentParser:
 def invalid(args: argparse.Namespace) -> str | None:
     """What is wrong with the parsed options' values, in one line; None when nothing is."""
     if (args.max_batch < 1 or args.max_wait_ms < 0 or args.max_chunk_frames < 1 or args.processes < 1
-            or (args.max_streams is not None and args.max_streams < 1)):
-        return ("--max-batch, --processes, --max-streams and --max-chunk-frames must be >= 1 and --max-wait-ms "
-                ">= 0")
+            or args.reply_threads < 1 or (args.max_streams is not None and args.max_streams < 1)):
+        return ("--max-batch, --processes, --max-streams, --max-chunk-frames and --reply-threads must be >= 1 and "
+                "--max-wait-ms >= 0")
     return None
 
 

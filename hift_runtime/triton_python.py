@@ -238,9 +238,13 @@ class TritonPythonModel:
         self.state_metrics = serve_state_metrics(self.table, options.state_metrics_port, options.host)
         self.rate = np.array([[self.vocoder.constants.sample_rate]], np.int32)
         self.pieces = options.audio_pieces
-        self._replies: queue.SimpleQueue = queue.SimpleQueue()
-        self._replier = threading.Thread(target=self._send_replies, name="hift-replies", daemon=True)
-        self._replier.start()
+        # One queue and thread per reply lane; a request keeps its lane, so its replies go out in order.
+        self._lanes: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(options.reply_threads)]
+        self._next_lane = 0
+        self._repliers = [threading.Thread(target=self._send_replies, args=(lane,), name=f"hift-replies-{n}",
+                                           daemon=True) for n, lane in enumerate(self._lanes)]
+        for replier in self._repliers:
+            replier.start()
 
     def execute(self, requests: list[Any]) -> None:
         """Hand the batch to the stream table and return: each request is answered through its response sender when
@@ -249,32 +253,37 @@ class TritonPythonModel:
         pb = self._pb
         chunks = [chunk_request({name: _input(pb, r, name) for name in wire.INPUTS}) for r in requests]
         senders = [r.get_response_sender() for r in requests]
+        lanes = []  # each request's reply lane, in turn
+        for _ in requests:
+            lanes.append(self._lanes[self._next_lane])
+            self._next_lane = (self._next_lane + 1) % len(self._lanes)
         if not self.pieces:
-            self.table.submit(chunks, lambda i, reply: self._replies.put((senders[i], reply, True)))
+            self.table.submit(chunks, lambda i, reply: lanes[i].put((senders[i], reply, True)))
             return None
         sent = [0] * len(requests)  # samples each request's pieces carried: its final reply carries the rest
 
         def piece(i: int, audio: np.ndarray) -> None:
             sent[i] += audio.shape[0]
-            self._replies.put((senders[i], ChunkReply(audio), False))
+            lanes[i].put((senders[i], ChunkReply(audio), False))
 
         def reply(i: int, done: ChunkReply) -> None:
-            self._replies.put((senders[i], ChunkReply(done.audio[sent[i]:], done.error), True))
+            lanes[i].put((senders[i], ChunkReply(done.audio[sent[i]:], done.error), True))
 
         self.table.submit(chunks, reply, piece)
         return None
 
-    def _send_replies(self) -> None:
-        """The replier thread: a send is a blocking round trip to tritonserver, kept off the table's event loop (on
-        it, sends took a fifth of the stub's time at K = 384 on two cores and stalled the pushes behind them). What
-        queued up while it sent goes out together, each request's waiting pieces as one (:func:`coalesce_pieces`)."""
+    def _send_replies(self, lane: queue.SimpleQueue) -> None:
+        """A replier thread (``--reply-threads``), sending its lane's replies: a send is a blocking round trip to
+        tritonserver, kept off the table's event loop (on it, sends took a fifth of the stub's time at K = 384 on two
+        cores and stalled the pushes behind them). What queued up while it sent goes out together, each request's
+        waiting pieces as one (:func:`coalesce_pieces`)."""
         pb = self._pb
         stopping = False
-        while not stopping and (item := self._replies.get()) is not None:
+        while not stopping and (item := lane.get()) is not None:
             items = [item]
             while True:
                 try:
-                    item = self._replies.get_nowait()
+                    item = lane.get_nowait()
                 except queue.Empty:
                     break
                 if item is None:
@@ -290,8 +299,10 @@ class TritonPythonModel:
                     log.exception("a reply could not be sent")
 
     def finalize(self) -> None:
-        self._replies.put(None)
-        self._replier.join(timeout=30)
+        for lane in self._lanes:
+            lane.put(None)
+        for replier in self._repliers:
+            replier.join(timeout=30)
         self.state_metrics.shutdown()
         self.table.close()
         self.vocoder.close()

@@ -698,7 +698,8 @@ def test_a_missing_export_is_said_before_a_busy_port(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def pieces_server(small_artifacts, tmp_path_factory):
-    yield from _live_server(small_artifacts, tmp_path_factory, ["--audio-pieces"])
+    # Two reply threads: each request's pieces and final reply still arrive in order (the test below).
+    yield from _live_server(small_artifacts, tmp_path_factory, ["--audio-pieces", "--reply-threads", "2"])
 
 
 def test_a_pieces_server_sends_each_steps_audio_as_it_is_made(pieces_server, vocoder):
