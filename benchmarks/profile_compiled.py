@@ -3,7 +3,7 @@ per precision, step size and batch size, through ``torch.profiler``. Not a test:
 
     python benchmarks/profile_compiled.py --artifacts DIR --out R.json [--precisions tf32,fp16,fp32]
         [--batches 2,256] [--frames 24,8,4,1]
-        [--variants default,max-autotune]
+        [--variants default,max-autotune,coordinate-descent]
         [--budget-s 500]
 
 Each (precision, variant, step size) compiles the step once (batch dynamic, as the engine does), then calls it
@@ -14,8 +14,10 @@ copies, gathers and elementwise ops); every kernel is listed. Per stream-step an
 stream-frame = a step's kernel time / batch (/ frames): what bounds capacity once the host path is out of the way (at
 100 % device one GPU carries 20 ms / per-stream-frame ms real-time streams, before the F0 and final steps).
 
-Variants: ``default`` (the engine as it ships: the precision's convolution layout) and ``max-autotune`` (inductor's
-``max_autotune``: Triton templates for the convolutions and matmuls benchmarked against cuDNN at compile time). Each variant's audio is
+Variants: ``default`` (the engine as it ships: the precision's convolution layout), ``max-autotune`` (inductor's
+``max_autotune``: Triton templates for the convolutions and matmuls benchmarked against cuDNN at compile time) and
+``coordinate-descent`` (inductor's ``coordinate_descent_tuning``: each fused Triton kernel's block sizes tuned at
+compile time; the fused kernels are most of fp16's step). Each variant's audio is
 compared with the first variant's on the same inputs (``vs_default``). The JSON is rewritten after each (precision,
 variant), so a run cut short keeps what it measured.
 """
@@ -42,7 +44,8 @@ FAMILIES = (
 
 
 # A variant's inductor options (the engine's own layout for the precision).
-VARIANTS: dict[str, dict[str, Any]] = {"default": {}, "max-autotune": {"max_autotune": True}}
+VARIANTS: dict[str, dict[str, Any]] = {"default": {}, "max-autotune": {"max_autotune": True},
+                                       "coordinate-descent": {"coordinate_descent_tuning": True}}
 
 
 def family(kernel: str) -> str:
