@@ -414,6 +414,7 @@ def run_k(vocoder, k: int, seconds: float, clients: str = "threads", collections
     f = np.asarray(first) * 1e3 if first else np.asarray([np.nan])
     c = np.asarray(call_lat) * 1e3 if call_lat else np.asarray([np.nan])
     after = _counters(vocoder)
+    queued_after, largest = queued_and_largest()
     this_run = _counted_since(before, after)  # the counters run over the vocoder's life
     # The time inside the engine's calls over the run's wall time: the device's busy share as the scheduler sees it
     # (a call's host writes and wait included; calls queued behind one another overlap).
@@ -443,8 +444,8 @@ def run_k(vocoder, k: int, seconds: float, clients: str = "threads", collections
                 "playback_lateness_p99_ms": round(float(np.percentile(lateness, 99)) * 1e3, 2)} if lateness else {}),
             "errors": len(errors), "first_error": errors[0] if errors else None,
             "refused_streams": refused[0], "streams_served": len(first),
-            "gpu_memory_mb": gpu_memory_mb(), "max_batch": queued_and_largest()[1],
-            "queued_batches": queued_and_largest()[0] - queued_before,  # started behind another on the device
+            "gpu_memory_mb": gpu_memory_mb(), "max_batch": largest,
+            "queued_batches": queued_after - queued_before,  # started behind another on the device
             "gc_full_collections": full - collections_before, "gc_full_collection_max_ms": round(longest_ms, 1),
             **({"batcher_this_run": this_run} if this_run is not None else {}),
             **({"triton_total": served, "triton_this_run": triton_this_run(triton_before or {}, served)}

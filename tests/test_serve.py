@@ -541,7 +541,8 @@ def test_two_processes_stream_exactly_refuse_alone_and_stop_cleanly(second_serve
 
 def test_pieces_that_queued_up_for_one_request_go_out_as_one_with_its_final_reply_unless_that_is_an_error():
     """The replier's coalescing (``--audio-pieces`` under load): a request's pieces waiting one after another become
-    one piece, in order, its final reply after them as it was; other requests' replies keep their own order."""
+    one piece, in order, joined by its final reply unless that carries an error (then sent after them as it was);
+    other requests' replies keep their own order."""
     from hift_runtime.serving import ChunkReply
     from hift_runtime.triton_python import coalesce_pieces
 
