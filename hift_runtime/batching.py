@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from .engine import CancelToken, StepCall, VocoderBackend, run_batched
+from .engine import CancelToken, StackedCalls, StepCall, VocoderBackend, run_stacked, stack_calls
 from .errors import PushCancelled, SchedulerClosed
 
 __all__ = ["BatchStats", "PushScheduler", "SchedulerClosed"]
@@ -451,17 +451,25 @@ class PushScheduler:
         if inline and len(group) == 1 and group[0].quiet:
             future: concurrent.futures.Future[tuple[list[Any], float]] = concurrent.futures.Future()
             try:
-                future.set_result(self._timed_call(calls))
+                future.set_result(self._timed_call(stack_calls(calls)))
             except BaseException as exc:  # noqa: BLE001 - as the device thread's future would hold it
                 future.set_exception(exc)
             return _Flight(group, future)
-        future = self._device.submit(self._timed_call, calls)
+        # Stacked here, off the device thread: its time between two calls is time the device waits.
+        try:
+            stacked = stack_calls(calls)
+        except BaseException as exc:  # noqa: BLE001 - the group's failure, as the device thread's future would hold it
+            future = concurrent.futures.Future()
+            future.set_exception(exc)
+            future.add_done_callback(self._notify)
+            return _Flight(group, future)
+        future = self._device.submit(self._timed_call, stacked)
         future.add_done_callback(self._notify)
         return _Flight(group, future)
 
-    def _timed_call(self, calls: list[StepCall]) -> tuple[list[Any], float]:
+    def _timed_call(self, stacked: StackedCalls) -> tuple[list[Any], float]:
         started = time.perf_counter()
-        results = run_batched(self.backend, calls)
+        results = run_stacked(self.backend, stacked)
         return results, time.perf_counter() - started
 
     def _notify(self, _future: Any) -> None:

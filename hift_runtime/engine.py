@@ -202,17 +202,34 @@ def cache_row(caches: Any, i: int) -> Any:
     return {k: v[i:i + 1] for k, v in caches.items()}
 
 
-def run_batched(backend: VocoderBackend, calls: list[StepCall]) -> list[Any]:
-    """Calls of one key as one batched backend call; each call's result (its row). The rows are stacked as bytes
-    (:func:`~.arrays.concat_rows`): ``np.concatenate`` would hand the GIL away for each, in a busy process
-    (BENCHMARKS.md, decision log)."""
+@dataclass(frozen=True)
+class StackedCalls:
+    """Calls of one key with their inputs stacked row by row (:func:`stack_calls`): one batched backend call's
+    arguments. ``inputs``: the F0 step's ``(mel, caches)``, or the generator step's ``(mel, f0, noise, phase_in,
+    first, caches, final[, frames])``."""
+
+    kind: str
+    rows: int
+    inputs: tuple[Any, ...]
+
+
+def stack_calls(calls: list[StepCall]) -> StackedCalls:
+    """Calls of one key as one batched call's inputs. The rows are stacked as bytes (:func:`~.arrays.concat_rows`):
+    ``np.concatenate`` would hand the GIL away for each, in a busy process (BENCHMARKS.md, decision log)."""
     kind = calls[0].kind
     if kind == "f0":
-        mel = concat_rows([c.args[0] for c in calls])
-        f0, nxt = backend.f0_step(mel, stack_caches([c.args[1] for c in calls]))
-        return [(f0[i:i + 1], cache_row(nxt, i)) for i in range(len(calls))]
+        return StackedCalls(kind, len(calls), (concat_rows([c.args[0] for c in calls]),
+                                               stack_caches([c.args[1] for c in calls])))
     stacked = [concat_rows([c.args[j] for c in calls]) for j in range(5)]
     frames = [concat_rows([c.args[6] for c in calls])] if len(calls[0].args) > 6 else []  # a step in a window
-    audio, phase, nxt = backend.generator_step(*stacked, stack_caches([c.args[5] for c in calls]), kind == "final",
-                                               *frames)
-    return [(audio[i:i + 1], phase[i:i + 1], cache_row(nxt, i)) for i in range(len(calls))]
+    return StackedCalls(kind, len(calls), (*stacked, stack_caches([c.args[5] for c in calls]), kind == "final",
+                                           *frames))
+
+
+def run_stacked(backend: VocoderBackend, stacked: StackedCalls) -> list[Any]:
+    """One batched backend call; each stacked call's result (its row)."""
+    if stacked.kind == "f0":
+        f0, nxt = backend.f0_step(*stacked.inputs)
+        return [(f0[i:i + 1], cache_row(nxt, i)) for i in range(stacked.rows)]
+    audio, phase, nxt = backend.generator_step(*stacked.inputs)
+    return [(audio[i:i + 1], phase[i:i + 1], cache_row(nxt, i)) for i in range(stacked.rows)]

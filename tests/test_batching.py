@@ -310,6 +310,38 @@ def test_a_failed_batched_call_fails_its_pushes_and_leaves_their_streams_unchang
     vocoder.close()
 
 
+def test_a_group_whose_inputs_cannot_be_stacked_fails_its_pushes_alone(small_artifacts, alone, monkeypatch):
+    """A group's inputs are stacked in the scheduling thread, off the device thread: an error there fails that
+    group's pushes as an error inside the call would, their streams unchanged, and the scheduler goes on serving."""
+    import hift_runtime.batching as batching
+    from hift_runtime.streaming import StreamingVocoder
+
+    stack_calls, armed = batching.stack_calls, [False]
+
+    def stack_or_fail(calls):
+        if armed[0] and calls[0].kind == "generator":
+            armed[0] = False
+            raise RuntimeError("rows do not fit (test)")
+        return stack_calls(calls)
+
+    monkeypatch.setattr(batching, "stack_calls", stack_or_fail)
+    vocoder = StreamingVocoder(alone.backend, alone.constants)
+    vocoder.scheduler = batching.PushScheduler(alone.backend, max_batch=8, max_wait_s=0.2,
+                                               pushes_in_progress=lambda: vocoder.pushes_in_progress)
+    mels = [random_mel(60, seed=80 + i) for i in range(3)]
+    streams = [vocoder.stream() for _ in mels]
+    heads = [s.push(m[:, :20]) for s, m in zip(streams, mels)]
+    armed[0] = True
+    seconds = run_in_threads(lambda i: _push_or_error(streams[i], mels[i][:, 20:40]), range(3))
+    failed = [i for i, r in enumerate(seconds) if isinstance(r, RuntimeError)]
+    assert failed and all("rows do not fit" in str(seconds[i]) for i in failed)
+    for i, s in enumerate(streams):
+        second = s.push(mels[i][:, 20:40]) if i in failed else seconds[i]  # a failed push changed nothing: again
+        out = np.concatenate([heads[i], second, s.push(mels[i][:, 40:]), s.finish()])
+        assert max_abs(out, run_stream(alone, mels[i], [20, 20, 20])) <= 1e-6, i
+    vocoder.close()
+
+
 def _push_or_error(stream, chunk):
     try:
         return stream.push(chunk)
