@@ -13,6 +13,8 @@ while that audio plays, the calls of pushes whose listeners have nothing yet go 
 a chunk's first piece). While that call runs on the device, the scheduler hands out the previous call's results,
 advances those pushes to their next calls and takes in new pushes, so the device waits for Python only when there is
 nothing to run. The group grows with the load by itself: every push that arrives while a call runs can join the next.
+The scheduler stacks a group's inputs as it launches it, so the device thread only makes calls and the device waits
+for no stacking between two of them.
 
 An application whose streams are tasks of one event loop can let that loop's thread do the scheduling instead
 (:meth:`PushScheduler.attach_loop`): one thread fewer trading the GIL at every NumPy call.
