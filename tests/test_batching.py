@@ -300,13 +300,7 @@ def test_a_failed_batched_call_fails_its_pushes_and_leaves_their_streams_unchang
     streams = [vocoder.stream() for _ in mels]
     heads = [s.push(m[:, :20]) for s, m in zip(streams, mels)]
     backend.fail_next = True
-    seconds = run_in_threads(lambda i: _push_or_error(streams[i], mels[i][:, 20:40]), range(3))
-    failed = [i for i, r in enumerate(seconds) if isinstance(r, RuntimeError)]
-    assert failed and all("device lost" in str(seconds[i]) for i in failed)
-    for i, s in enumerate(streams):
-        second = s.push(mels[i][:, 20:40]) if i in failed else seconds[i]  # a failed push changed nothing: again
-        out = np.concatenate([heads[i], second, s.push(mels[i][:, 40:]), s.finish()])
-        assert max_abs(out, run_stream(alone, mels[i], [20, 20, 20])) <= 1e-6, i
+    _second_chunks_fail_some_and_change_nothing(alone, streams, mels, heads, "device lost")
     vocoder.close()
 
 
@@ -332,14 +326,20 @@ def test_a_group_whose_inputs_cannot_be_stacked_fails_its_pushes_alone(small_art
     streams = [vocoder.stream() for _ in mels]
     heads = [s.push(m[:, :20]) for s, m in zip(streams, mels)]
     armed[0] = True
-    seconds = run_in_threads(lambda i: _push_or_error(streams[i], mels[i][:, 20:40]), range(3))
+    _second_chunks_fail_some_and_change_nothing(alone, streams, mels, heads, "rows do not fit")
+    vocoder.close()
+
+
+def _second_chunks_fail_some_and_change_nothing(alone, streams, mels, heads, message):
+    """Each stream's frames 20-40 pushed at once from threads: some pushes fail with ``message``; a failed push
+    changed nothing (pushed again, every stream continues exactly as alone)."""
+    seconds = run_in_threads(lambda i: _push_or_error(streams[i], mels[i][:, 20:40]), range(len(streams)))
     failed = [i for i, r in enumerate(seconds) if isinstance(r, RuntimeError)]
-    assert failed and all("rows do not fit" in str(seconds[i]) for i in failed)
+    assert failed and all(message in str(seconds[i]) for i in failed)
     for i, s in enumerate(streams):
-        second = s.push(mels[i][:, 20:40]) if i in failed else seconds[i]  # a failed push changed nothing: again
+        second = s.push(mels[i][:, 20:40]) if i in failed else seconds[i]
         out = np.concatenate([heads[i], second, s.push(mels[i][:, 40:]), s.finish()])
         assert max_abs(out, run_stream(alone, mels[i], [20, 20, 20])) <= 1e-6, i
-    vocoder.close()
 
 
 def _push_or_error(stream, chunk):
