@@ -16,6 +16,7 @@ import subprocess
 import sys
 import sysconfig
 import threading
+import time
 from collections.abc import MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,50 @@ def coalesce_pieces(replies: list[tuple[Any, ChunkReply, bool]]) -> list[tuple[A
             open_piece[id(sender)] = entry
     return [(sender, reply if len(audio) == 1 else ChunkReply(concat_rows(audio)), final)
             for sender, audio, final, reply in out]
+
+
+class PiecePacer:
+    """Holds a request's pieces after its first until ``ahead_s`` before a client that starts playing at the first
+    one could reach them, then sends them joined: fewer sends for a long chunk, whose steps run faster than real
+    time. The first piece and the final reply go at once (the final carrying what is held). Keyed by sender; a
+    request's state ends with its final reply. Not thread-safe: one replier thread's."""
+
+    def __init__(self, rate: int, ahead_s: float) -> None:
+        self.rate, self.ahead_s = rate, ahead_s
+        self._requests: dict[int, list[Any]] = {}  # id(sender) -> [sender, first sent at, samples sent, held audio]
+
+    def take(self, replies: list[tuple[Any, ChunkReply, bool]], now: float) -> list[tuple[Any, ChunkReply, bool]]:
+        """What to send now of ``replies`` (in a lane's order, already joined by :func:`coalesce_pieces`) and of
+        what is held and due."""
+        out: list[tuple[Any, ChunkReply, bool]] = []
+        for sender, reply, final in replies:
+            state = self._requests.get(id(sender))
+            if final:
+                held = self._requests.pop(id(sender), [None, 0.0, 0, []])[3]
+                if held and reply.error:
+                    out.append((sender, ChunkReply(concat_rows(held)), False))
+                elif held:
+                    reply = ChunkReply(concat_rows([*held, reply.audio]))
+                out.append((sender, reply, True))
+            elif state is None:
+                self._requests[id(sender)] = [sender, now, reply.audio.shape[0], []]
+                out.append((sender, reply, False))
+            else:
+                state[3].append(reply.audio)
+        for state in self._requests.values():
+            if state[3] and now >= self._due(state):
+                audio = concat_rows(state[3])
+                state[2], state[3] = state[2] + audio.shape[0], []
+                out.append((state[0], ChunkReply(audio), False))
+        return out
+
+    def wait_s(self, now: float) -> float | None:
+        """How long until held pieces are due (None: nothing held)."""
+        due = [self._due(state) for state in self._requests.values() if state[3]]
+        return max(0.0, min(due) - now) if due else None
+
+    def _due(self, state: list[Any]) -> float:
+        return state[1] + state[2] / self.rate - self.ahead_s
 
 
 def shared_libpython_env(env: MutableMapping[str, str] = os.environ, extra: Sequence[str] = ()) -> None:
@@ -240,6 +285,7 @@ class TritonPythonModel:
         self.pieces = options.audio_pieces
         # One queue and thread per reply lane; a request keeps its lane, so its replies go out in order.
         self._lanes: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(options.reply_threads)]
+        self._pieces_ahead_s = options.pieces_ahead_ms / 1e3
         self._next_lane = 0
         self._repliers = [threading.Thread(target=self._send_replies, args=(lane,), name=f"hift-replies-{n}",
                                            daemon=True) for n, lane in enumerate(self._lanes)]
@@ -276,11 +322,19 @@ class TritonPythonModel:
         """A replier thread (``--reply-threads``), sending its lane's replies: a send is a blocking round trip to
         tritonserver, kept off the table's event loop (on it, sends took a fifth of the stub's time at K = 384 on two
         cores and stalled the pushes behind them). What queued up while it sent goes out together, each request's
-        waiting pieces as one (:func:`coalesce_pieces`)."""
+        waiting pieces as one (:func:`coalesce_pieces`); a request's pieces after its first wait until they are due
+        (:class:`PiecePacer`, ``--pieces-ahead-ms``)."""
         pb = self._pb
+        pacer = PiecePacer(int(self.rate[0, 0]), self._pieces_ahead_s) if self.pieces else None
         stopping = False
-        while not stopping and (item := lane.get()) is not None:
-            items = [item]
+        while not stopping:
+            try:
+                item = lane.get(timeout=pacer.wait_s(time.monotonic()) if pacer is not None else None)
+            except queue.Empty:  # held pieces are due
+                item = ()
+            if item is None:
+                break
+            items = [item] if item else []
             while True:
                 try:
                     item = lane.get_nowait()
@@ -290,7 +344,10 @@ class TritonPythonModel:
                     stopping = True
                     break
                 items.append(item)
-            for sender, reply, final in coalesce_pieces(items):
+            replies = coalesce_pieces(items)
+            if pacer is not None:
+                replies = pacer.take(replies, time.monotonic())
+            for sender, reply, final in replies:
                 try:
                     sender.send(pb.InferenceResponse(output_tensors=[
                         pb.Tensor(name, value) for name, value in reply_tensors(reply, self.rate, final).items()]),

@@ -561,6 +561,37 @@ def test_pieces_that_queued_up_for_one_request_go_out_as_one_with_its_final_repl
     assert alone[0][1] is queued[0][1]  # nothing to join: the reply itself
 
 
+def test_a_pacer_sends_first_pieces_and_finals_at_once_and_holds_the_rest_until_due():
+    """``--pieces-ahead-ms``: a request's first piece goes at once; later ones wait until ``ahead_s`` before a client
+    playing from the first could reach them, then go joined; the final reply carries what is held (after it, when
+    the final is an error). The audio and its order are unchanged."""
+    from hift_runtime.serving import ChunkReply
+    from hift_runtime.triton_python import PiecePacer
+
+    a, b = object(), object()
+    pacer = PiecePacer(rate=10, ahead_s=0.5)  # 10 samples a second: a piece of n samples plays n / 10 s
+
+    def piece(start: int, n: int) -> ChunkReply:
+        return ChunkReply(np.arange(start, start + n, dtype=np.float32))
+
+    def sent(out):
+        return [(s is a, r.audio.tolist(), r.error, f) for s, r, f in out]
+
+    assert sent(pacer.take([(a, piece(0, 20), False)], now=0.0)) == [(True, list(range(20)), "", False)]
+    assert pacer.take([(a, piece(20, 5), False)], now=0.1) == []  # due at 0 + 20 / 10 - 0.5 = 1.5
+    assert pacer.wait_s(0.1) == pytest.approx(1.4)
+    assert pacer.take([(a, piece(25, 5), False)], now=1.0) == []
+    assert sent(pacer.take([], now=1.5)) == [(True, list(range(20, 30)), "", False)]
+    assert pacer.wait_s(1.5) is None
+    assert pacer.take([(a, piece(30, 5), False)], now=1.6) == []  # due at 0 + 30 / 10 - 0.5 = 2.5
+    assert sent(pacer.take([(a, piece(35, 3), True)], now=1.7)) == [(True, list(range(30, 38)), "", True)]
+    assert sent(pacer.take([(b, piece(0, 10), False), (b, piece(10, 4), False)], now=2.0)) == [
+        (False, list(range(10)), "", False)]  # the second held: due at 2 + 10 / 10 - 0.5 = 2.5
+    assert sent(pacer.take([(b, ChunkReply(np.zeros(0, np.float32), "refused"), True)], now=2.1)) == [
+        (False, [10.0, 11.0, 12.0, 13.0], "", False), (False, [], "refused", True)]
+    assert pacer.wait_s(2.1) is None  # every request ended: nothing held, nothing kept
+
+
 def test_an_empty_release_is_reported_as_zero_samples(vocoder):
     from hift_runtime import wire
     from hift_runtime.serving import chunk_request, reply_tensors
@@ -704,9 +735,10 @@ def pieces_server(small_artifacts, tmp_path_factory):
 
 
 def test_a_pieces_server_sends_each_steps_audio_as_it_is_made(pieces_server, vocoder):
-    """``--audio-pieces``: a 100-frame chunk (steps of at most 24 frames on the CPU) comes back as several responses
-    as its steps are done, joined the release, sync and asyncio alike; a resend gets the whole release once more; an
-    HTTP client is refused in one line (decoupled models need gRPC streaming)."""
+    """``--audio-pieces``: a 100-frame chunk (steps of at most 24 frames on the CPU) comes back as several responses,
+    its first step's audio at once and the rest paced (:class:`PiecePacer`), joined the release, sync and asyncio
+    alike; a resend gets the whole release once more; an HTTP client is refused in one line (decoupled models need
+    gRPC streaming)."""
     import asyncio
 
     from hift_runtime.client import AsyncServerClient, ServerClient
@@ -718,7 +750,7 @@ def test_a_pieces_server_sends_each_steps_audio_as_it_is_made(pieces_server, voc
     assert client.model.pieces
     stream, pieces = client.stream("pieces-1"), []
     first = stream.push(mel[:, :100], on_audio=pieces.append)
-    assert len(pieces) >= 3 and np.array_equal(np.concatenate(pieces), first)
+    assert len(pieces) >= 2 and np.array_equal(np.concatenate(pieces), first)  # the first step's, then the rest
     again, _ = client.infer("pieces-1", mel[:, :100], start=True, end=False, offset=0)  # a resend: applied once
     assert np.array_equal(again, first)
     rest = stream.push(mel[:, 100:], end=True, on_audio=pieces.append)
