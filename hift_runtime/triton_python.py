@@ -7,6 +7,7 @@ SIGTERM, exit status).
 
 from __future__ import annotations
 
+import heapq
 import json
 import logging
 import os
@@ -73,6 +74,9 @@ class PiecePacer:
     def __init__(self, rate: int, ahead_s: float) -> None:
         self.rate, self.ahead_s = rate, ahead_s
         self._requests: dict[int, list[Any]] = {}  # id(sender) -> [sender, first sent at, samples sent, held audio]
+        # (due, id(sender)) of requests holding audio, due first: a wake looks at what is due, not at every request.
+        # An entry whose request ended, or sent its held audio since, is stale and skipped.
+        self._due_first: list[tuple[float, int]] = []
 
     def take(self, replies: list[tuple[Any, ChunkReply, bool]], now: float) -> list[tuple[Any, ChunkReply, bool]]:
         """What to send now of ``replies`` (in a lane's order, already joined by :func:`coalesce_pieces`) and of
@@ -81,7 +85,7 @@ class PiecePacer:
         for sender, reply, final in replies:
             state = self._requests.get(id(sender))
             if final:
-                held = self._requests.pop(id(sender), [None, 0.0, 0, []])[3]
+                held = self._requests.pop(id(sender))[3] if state is not None else []
                 if held and reply.error:
                     out.append((sender, ChunkReply(concat_rows(held)), False))
                 elif held:
@@ -91,9 +95,13 @@ class PiecePacer:
                 self._requests[id(sender)] = [sender, now, reply.audio.shape[0], []]
                 out.append((sender, reply, False))
             else:
+                if not state[3]:
+                    heapq.heappush(self._due_first, (self._due(state), id(sender)))
                 state[3].append(reply.audio)
-        for state in self._requests.values():
-            if state[3] and now >= self._due(state):
+        while self._due_first and self._due_first[0][0] <= now:
+            due, key = heapq.heappop(self._due_first)
+            state = self._requests.get(key)
+            if state is not None and state[3] and self._due(state) == due:
                 audio = concat_rows(state[3])
                 state[2], state[3] = state[2] + audio.shape[0], []
                 out.append((state[0], ChunkReply(audio), False))
@@ -101,8 +109,13 @@ class PiecePacer:
 
     def wait_s(self, now: float) -> float | None:
         """How long until held pieces are due (None: nothing held)."""
-        due = [self._due(state) for state in self._requests.values() if state[3]]
-        return max(0.0, min(due) - now) if due else None
+        while self._due_first:
+            due, key = self._due_first[0]
+            state = self._requests.get(key)
+            if state is not None and state[3] and self._due(state) == due:
+                return max(0.0, due - now)
+            heapq.heappop(self._due_first)
+        return None
 
     def _due(self, state: list[Any]) -> float:
         return state[1] + state[2] / self.rate - self.ahead_s
