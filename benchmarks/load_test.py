@@ -68,7 +68,20 @@ class _LocalStream:
         return np.concatenate([out, self._s.finish()]) if end else out
 
 
-class _Served:
+class _ServerUrls:
+    """The servers' gRPC addresses and the server each stream goes to (its id ``load-i`` hashed over the servers, as
+    :class:`~hift_runtime.client.ShardedClient` does): what a client process needs of the served config."""
+
+    def __init__(self, grpc_urls: list[str]) -> None:
+        self.grpc_urls = grpc_urls
+
+    def server_of(self, i: int) -> int:
+        from hift_runtime.client import rendezvous_order
+
+        return rendezvous_order(self.grpc_urls, f"load-{i}")[0]
+
+
+class _Served(_ServerUrls):
     """``hift-serve`` in ``processes`` child processes (one runtime each, sharing the device) and a few gRPC clients
     per server (a channel serves many threads); each stream goes to the server its id picks, as
     :class:`~hift_runtime.client.ShardedClient` does."""
@@ -125,12 +138,6 @@ class _Served:
                 time.sleep(0.5)
         self.clients = [[ServerClient(url) for _ in range(16)] for url in self.grpc_urls]
         self.backend = None
-
-    def server_of(self, i: int) -> int:
-        """Which server stream ``i`` goes to (its id ``load-i`` hashed over the servers, as ShardedClient does)."""
-        from hift_runtime.client import rendezvous_order
-
-        return rendezvous_order(self.grpc_urls, f"load-{i}")[0]
 
     def stream(self, i: int):
         pool = self.clients[self.server_of(i)]
@@ -253,46 +260,61 @@ def stream_plan(schedule: str, frames: int) -> tuple[list[tuple[int, int, bool, 
     return plan, frames * FRAME_S
 
 
-def run_k(vocoder, k: int, seconds: float, clients: str = "threads", collections: Any = None,
-          loop_scheduler: bool = False, schedule: str = "24") -> dict[str, Any]:
-    """``clients``: ``threads`` (a thread per stream, ``push``) or ``asyncio`` (a task per stream on one event loop,
-    no thread per stream: ``apush`` in-process, :class:`~hift_runtime.client.AsyncServerClient` served).
-    ``collections``: this process's garbage-collection timer, reported for in-process runs. ``loop_scheduler``:
-    in-process asyncio runs schedule from their event loop's thread (``PushScheduler.attach_loop``). ``schedule``:
-    :func:`stream_plan`'s. In-process asyncio pushes hand out each step's audio as it is done (``on_audio``): a chunk's
-    first audio is its first piece (elsewhere its whole release, at the push's return), an utterance's first audio its
-    first chunk's. Playback of an utterance starts at its first audio, but not before the frames no vocoder can
-    release yet (``audio_lag + mel_look_ahead``) plus the chunk bound (``P95_BOUND_MS``) have passed from its start (a
-    player's jitter buffer: with chunks due as playback reaches their mel, a chunk's audio is needed that much after
-    it is due); a piece that arrives after playback reached its first sample is a stall (its lateness is reported)."""
+@dataclasses.dataclass
+class _Records:
+    """What one run's streams recorded (in seconds), merged over the client processes that ran them."""
+
+    lat: list[float] = dataclasses.field(default_factory=list)
+    call_lat: list[float] = dataclasses.field(default_factory=list)  # the same pushes from the call
+    by_index: dict[int, list[float]] = dataclasses.field(default_factory=dict)  # push index -> latencies
+    first: list[float] = dataclasses.field(default_factory=list)
+    chunk_firsts: list[float] = dataclasses.field(default_factory=list)  # each push's first audio, from its due time
+    lateness: list[float] = dataclasses.field(default_factory=list)  # each push's latest piece against playback
+    utterance_firsts: list[float] = dataclasses.field(default_factory=list)
+    errors: list[str] = dataclasses.field(default_factory=list)
+    refused: int = 0  # streams refused at their start with the overload message (--max-streams): not errors
+
+    def merge(self, other: "_Records") -> None:
+        for name in ("lat", "call_lat", "first", "chunk_firsts", "lateness", "utterance_firsts", "errors"):
+            getattr(self, name).extend(getattr(other, name))
+        for j, values in other.by_index.items():
+            self.by_index.setdefault(j, []).extend(values)
+        self.refused += other.refused
+
+
+def client_processes(count: int) -> Any:
+    """``count`` client processes for the served config (spawned: gRPC does not survive a fork), started and their
+    imports done, so that a run's streams start on time."""
+    import concurrent.futures
+    import multiprocessing
+
+    pool = concurrent.futures.ProcessPoolExecutor(count, mp_context=multiprocessing.get_context("spawn"))
+    for ready in [pool.submit(_client_ready, 0.5) for _ in range(count)]:
+        ready.result()
+    return pool
+
+
+def _client_ready(linger_s: float) -> None:
+    import hift_runtime.client  # noqa: F401 - the gRPC client's imports, before the first run
+
+    time.sleep(linger_s)  # each worker takes one
+
+
+def _client_share(grpc_urls: list[str], k: int, indices: range, start: float, seconds: float,
+                  schedule: str) -> "_Records":
+    """A client process's share of a served run: streams ``indices`` of ``k``, as tasks of its own event loop."""
+    return drive_streams(_ServerUrls(grpc_urls), k, indices, start, seconds, schedule, "asyncio")
+
+
+def drive_streams(vocoder: Any, k: int, indices: Any, start: float, seconds: float, schedule: str,
+                  clients: str = "threads", loop_scheduler: bool = False) -> _Records:
+    """Streams ``indices`` of ``k`` (stream ``i`` arrives ``i / k`` of a slot's span after ``start``, a monotonic
+    time), as :func:`run_k` describes, through ``vocoder`` (in process, or the servers)."""
     frames = int(seconds * 50)
     plan, span_s = stream_plan(schedule, frames)
-    utterance_firsts: list[float] = []
-    before = _counters(vocoder)
-    stats = getattr(getattr(vocoder, "scheduler", None), "stats", None)  # the same object over the run
-
-    def queued_and_largest() -> tuple[float, float]:  # batches started behind another so far, the largest batch
-        if isinstance(vocoder, _Served):
-            counters = vocoder.scheduler_counters()
-            return counters["queued"], counters["max_batch"]
-        return getattr(stats, "queued", 0), getattr(stats, "max_batch", 1)
-
-    queued_before = queued_and_largest()[0]
-    triton_before = vocoder.batches() if isinstance(vocoder, _Served) else None
-    collections_before = vocoder.full_collections()[0] if isinstance(vocoder, _Served) else 0.0
-    if collections is not None:  # this process's garbage collections (hift_runtime.process_tuning.CollectionPauses)
-        collections.reset()
+    rec = _Records()
     mel = synthetic_mel(frames)
-    lat: list[float] = []
-    call_lat: list[float] = []  # the same pushes from the call (the client's lateness in starting one left out)
-    by_index: dict[int, list[float]] = {}  # push index -> latencies (where in a stream the tail comes from)
-    first: list[float] = []
-    chunk_firsts: list[float] = []  # each push's first audio, from its due time
-    lateness: list[float] = []  # each push's latest piece against the playback clock (> 0: a stall)
-    errors: list[str] = []
-    refused = [0]  # streams refused at their start with the overload message (--max-streams): not errors
     lock = threading.Lock()
-    start = time.monotonic() + 0.3
 
     def record(took: list[float], calls: list[float], firsts: list[float] | None = None,
                late: list[float] | None = None) -> None:
@@ -302,21 +324,21 @@ def run_k(vocoder, k: int, seconds: float, clients: str = "threads", collections
         starts = [i for i, step in enumerate(plan) if i == 0 or plan[i - 1][2]]
         firsts = firsts or took
         with lock:
-            utterance_firsts.extend(firsts[i] for i in starts)
-            chunk_firsts.extend(firsts)
-            lateness.extend(late or [])
-            first.append(took[0])
-            lat.extend(took[1:])
-            call_lat.extend(calls[1:])
+            rec.utterance_firsts.extend(firsts[i] for i in starts)
+            rec.chunk_firsts.extend(firsts)
+            rec.lateness.extend(late or [])
+            rec.first.append(took[0])
+            rec.lat.extend(took[1:])
+            rec.call_lat.extend(calls[1:])
             for j, t in enumerate(took[1:], start=1):
-                by_index.setdefault(j, []).append(t)
+                rec.by_index.setdefault(j, []).append(t)
 
     def failed(exc: Exception) -> None:
         with lock:
             if OVERLOAD_MESSAGE in str(exc):
-                refused[0] += 1
+                rec.refused += 1
             else:
-                errors.append(f"{type(exc).__name__}: {exc}"[:200])
+                rec.errors.append(f"{type(exc).__name__}: {exc}"[:200])
 
     def stream(i: int) -> None:
         t0 = start + span_s * i / k  # arrivals spread over one chunk period (24) or one utterance (cosyvoice3)
@@ -325,7 +347,7 @@ def run_k(vocoder, k: int, seconds: float, clients: str = "threads", collections
             took, calls = [], []
             for pos, size, end, offset, _ in plan:
                 if pos == 0:
-                    s = vocoder.stream(i) if isinstance(vocoder, _Served) else _LocalStream(vocoder)
+                    s = vocoder.stream(i) if isinstance(vocoder, _ServerUrls) else _LocalStream(vocoder)
                 due = t0 + offset
                 time.sleep(max(0.0, due - time.monotonic()))
                 called = time.monotonic()
@@ -387,7 +409,7 @@ def run_k(vocoder, k: int, seconds: float, clients: str = "threads", collections
         import asyncio
 
         async def run_all() -> None:
-            served = isinstance(vocoder, _Served)
+            served = isinstance(vocoder, _ServerUrls)
             scheduler = None if served or not loop_scheduler else getattr(vocoder, "scheduler", None)
             if served:
                 from hift_runtime.client import AsyncServerClient
@@ -397,7 +419,7 @@ def run_k(vocoder, k: int, seconds: float, clients: str = "threads", collections
             if scheduler is not None:
                 scheduler.attach_loop(asyncio.get_running_loop())
             try:
-                await asyncio.gather(*(astream(i, aclients if served else None) for i in range(k)))
+                await asyncio.gather(*(astream(i, aclients if served else None) for i in indices))
             finally:
                 if served:
                     await asyncio.gather(*(c.close() for pool in aclients for c in pool))
@@ -406,12 +428,55 @@ def run_k(vocoder, k: int, seconds: float, clients: str = "threads", collections
 
         asyncio.run(run_all())
     else:
-        threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(k)]
+        threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in indices]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
+    return rec
+
+
+def run_k(vocoder, k: int, seconds: float, clients: str = "threads", collections: Any = None,
+          loop_scheduler: bool = False, schedule: str = "24", client_pool: Any = None) -> dict[str, Any]:
+    """``clients``: ``threads`` (a thread per stream, ``push``) or ``asyncio`` (a task per stream on one event loop,
+    no thread per stream: ``apush`` in-process, :class:`~hift_runtime.client.AsyncServerClient` served).
+    ``collections``: this process's garbage-collection timer, reported for in-process runs. ``loop_scheduler``:
+    in-process asyncio runs schedule from their event loop's thread (``PushScheduler.attach_loop``). ``schedule``:
+    :func:`stream_plan`'s. In-process asyncio pushes hand out each step's audio as it is done (``on_audio``): a chunk's
+    first audio is its first piece (elsewhere its whole release, at the push's return), an utterance's first audio its
+    first chunk's. Playback of an utterance starts at its first audio, but not before the frames no vocoder can
+    release yet (``audio_lag + mel_look_ahead``) plus the chunk bound (``P95_BOUND_MS``) have passed from its start (a
+    player's jitter buffer: with chunks due as playback reaches their mel, a chunk's audio is needed that much after
+    it is due); a piece that arrives after playback reached its first sample is a stall (its lateness is reported).
+    ``client_pool``: served, the asyncio streams dealt out to these client processes (:func:`client_processes`)."""
+    frames = int(seconds * 50)
+    before = _counters(vocoder)
+    stats = getattr(getattr(vocoder, "scheduler", None), "stats", None)  # the same object over the run
+
+    def queued_and_largest() -> tuple[float, float]:  # batches started behind another so far, the largest batch
+        if isinstance(vocoder, _Served):
+            counters = vocoder.scheduler_counters()
+            return counters["queued"], counters["max_batch"]
+        return getattr(stats, "queued", 0), getattr(stats, "max_batch", 1)
+
+    queued_before = queued_and_largest()[0]
+    triton_before = vocoder.batches() if isinstance(vocoder, _Served) else None
+    collections_before = vocoder.full_collections()[0] if isinstance(vocoder, _Served) else 0.0
+    if collections is not None:  # this process's garbage collections (hift_runtime.process_tuning.CollectionPauses)
+        collections.reset()
+    start = time.monotonic() + 0.3
+    if client_pool is None:
+        rec = drive_streams(vocoder, k, range(k), start, seconds, schedule, clients, loop_scheduler)
+    else:  # the streams dealt out to the client processes, each an event loop of its own
+        shares = client_pool._max_workers  # noqa: SLF001 - the pool's size, as made by client_processes()
+        start = time.monotonic() + 1.0
+        rec = _Records()
+        for share in [client_pool.submit(_client_share, vocoder.grpc_urls, k, range(n, k, shares), start, seconds,
+                                         schedule) for n in range(shares)]:
+            rec.merge(share.result())
     wall = time.monotonic() - start
+    lat, call_lat, by_index, first = rec.lat, rec.call_lat, rec.by_index, rec.first
+    chunk_firsts, lateness, utterance_firsts, errors = rec.chunk_firsts, rec.lateness, rec.utterance_firsts, rec.errors
     a = np.asarray(lat) * 1e3 if lat else np.asarray([np.nan])
     f = np.asarray(first) * 1e3 if first else np.asarray([np.nan])
     c = np.asarray(call_lat) * 1e3 if call_lat else np.asarray([np.nan])
@@ -445,7 +510,7 @@ def run_k(vocoder, k: int, seconds: float, clients: str = "threads", collections
             **({"stalled_chunks": int(sum(x > 0 for x in lateness)), "chunks_timed": len(lateness),
                 "playback_lateness_p99_ms": round(float(np.percentile(lateness, 99)) * 1e3, 2)} if lateness else {}),
             "errors": len(errors), "first_error": errors[0] if errors else None,
-            "refused_streams": refused[0], "streams_served": len(first),
+            "refused_streams": rec.refused, "streams_served": len(first),
             "gpu_memory_mb": gpu_memory_mb(), "max_batch": largest,
             "queued_batches": queued_after - queued_before,  # started behind another on the device
             "gc_full_collections": full - collections_before, "gc_full_collection_max_ms": round(longest_ms, 1),
@@ -585,6 +650,9 @@ def main() -> None:
                    help="the scheduler's queue_behind (the smallest group queued behind a call on the device; "
                         "in-process configs). Several, comma-separated (e.g. 64,1000000: the second never queues): each K runs "
                         "under each, recorded as NAME@qb=N")
+    p.add_argument("--launch-ahead", default=None,
+                   help="the scheduler's launch_ahead (in-process configs, an engine that launches ahead): on, off, or "
+                        "both (off,on): each K runs under each, recorded as NAME@ahead=on|off")
     p.add_argument("--scheduler", default="thread",
                    help="who schedules in-process asyncio runs: thread (the scheduler's own thread, the default) or "
                         "loop (their event loop's thread: PushScheduler.attach_loop). Both, comma-separated "
@@ -611,6 +679,9 @@ def main() -> None:
     p.add_argument("--served-processes", type=int, default=1,
                    help="hift-serve processes sharing the device (served config): each stream goes to the one its id "
                         "picks, as ShardedClient does; --max-streams is shared out among them (default 1)")
+    p.add_argument("--served-client-processes", type=int, default=1,
+                   help="client processes of the served config with --clients asyncio, each an event loop driving "
+                        "its share of the streams (one loop alone is the bound past ~1 000 streams; default 1)")
     p.add_argument("--served-device-model", choices=["instant", "modelled", "echo"],
                    help="the served config over a stand-in device (modelled_server.py), any host: its host cost; "
                         "echo: no runtime at all (Triton and the front end alone)")
@@ -660,7 +731,10 @@ def main() -> None:
         p.error("--scheduler loop schedules from the clients' event loop: it needs --clients asyncio")
     # Each K runs under every (switch interval, queue_behind, scheduler) variant, one after the other, on the same
     # open vocoder.
-    variants = [(ms, qb, d) for ms in intervals_ms for qb in queue_behinds for d in drivers]
+    aheads = args.launch_ahead.split(",") if args.launch_ahead else [None]
+    if not set(aheads) <= {"on", "off", None}:
+        p.error(f"--launch-ahead takes on, off or both, got {args.launch_ahead!r}")
+    variants = [(ms, qb, d, a) for ms in intervals_ms for qb in queue_behinds for d in drivers for a in aheads]
     if args.cudnn_threads and (args.engine != "compiled" or "served" in args.configs):
         p.error("--cudnn-threads is for the compiled engine in process (hift-serve runs the engine's defaults)")
     for name in args.configs.split(","):
@@ -706,22 +780,23 @@ def main() -> None:
             tune_garbage_collector()  # as hift-serve does once warm
         # One record per variant (the same open vocoder): NAME, or NAME@si=MS / @qb=N / @sched=D, joined by commas,
         # for each axis with several values.
-        def key_of(ms: float | None, qb: int | None, driver: str) -> str:
+        def key_of(ms: float | None, qb: int | None, driver: str, ahead: str | None) -> str:
             parts = (([f"si={ms:g}"] if len(intervals_ms) > 1 else []) + ([f"qb={qb}"] if len(queue_behinds) > 1 else [])
-                     + ([f"sched={driver}"] if len(drivers) > 1 else []))
+                     + ([f"sched={driver}"] if len(drivers) > 1 else []) + ([f"ahead={ahead}"] if len(aheads) > 1 else []))
             return f"{name}@{','.join(parts)}" if parts else name
 
         # A served config schedules inside its servers (hift-serve's scheduler thread): no loop-driven variant.
         keys = {v: key_of(*v) for v in variants if name != "served" or v[2] == "thread"}
-        rows_of: dict[tuple[float | None, int | None, str], list[dict[str, Any]]] = {v: [] for v in keys}
+        rows_of: dict[tuple[float | None, int | None, str, str | None], list[dict[str, Any]]] = {v: [] for v in keys}
         backend = getattr(vocoder, "backend", None)
-        for (ms, qb, driver), key in keys.items():
+        for (ms, qb, driver, ahead), key in keys.items():
             result["configs"][key] = {"open_and_warmup_s": ready_s,
                                       "inline_lone_calls": getattr(getattr(vocoder, "scheduler", None),
                                                                    "inline_lone_calls", None),
                                       "warm_stream_s": warm_stream_s, "parity_max_abs_vs_cpu": parity,
                                       "switch_interval_ms": ms, "queue_behind": qb,
                                       "loop_scheduler": driver == "loop",  # asyncio clients, in process
+                                      "launch_ahead": ahead,
                                       "traits": (dataclasses.asdict(backend.traits)
                                                  if backend is not None and hasattr(backend, "traits") else None),
                                       "cudnn_threads": args.cudnn_threads,
@@ -731,20 +806,27 @@ def main() -> None:
                                                     if args.served_reply_threads > 1 else "")
                                                  + (f", pieces {args.served_pieces_ahead_ms:g} ms ahead"
                                                     if args.served_pieces_ahead_ms is not None else "")
+                                                 + (f"; {args.served_client_processes} client processes"
+                                                    if args.served_client_processes > 1 else "")
                                                  if name == "served" else
                                                  getattr(backend, "name", name)),
-                                      "gpu_memory_after_warmup_mb": gpu_memory_mb(), "runs": rows_of[(ms, qb, driver)],
+                                      "gpu_memory_after_warmup_mb": gpu_memory_mb(), "runs": rows_of[(ms, qb, driver, ahead)],
                                       "warmup_seconds_by_shape": getattr(backend, "warmup_seconds", None)}
+        client_pool = (client_processes(args.served_client_processes)
+                       if name == "served" and args.clients == "asyncio" and args.served_client_processes > 1 else None)
         try:
             for k in [k for k in ks for _ in range(args.repeats)]:
                 ended = 0
-                for (ms, qb, driver), key in keys.items():
+                for (ms, qb, driver, ahead), key in keys.items():
                     if ms is not None:
                         sys.setswitchinterval(ms / 1e3)
                     if qb is not None and getattr(vocoder, "scheduler", None) is not None:
                         vocoder.scheduler.queue_behind = qb
-                    row = run_k(vocoder, k, args.seconds, args.clients, collections, driver == "loop", args.schedule)
-                    rows_of[(ms, qb, driver)].append(row)
+                    if ahead is not None and getattr(vocoder, "scheduler", None) is not None:
+                        vocoder.scheduler.launch_ahead = ahead == "on"
+                    row = run_k(vocoder, k, args.seconds, args.clients, collections, driver == "loop", args.schedule,
+                                client_pool)
+                    rows_of[(ms, qb, driver, ahead)].append(row)
                     print(key, json.dumps(row), flush=True)
                     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
                     # A miss does not end the ramp: a batching runtime can keep up better at larger K (bigger
@@ -753,6 +835,8 @@ def main() -> None:
                 if ended == len(keys):
                     break
         finally:  # a served config's server never outlives the script
+            if client_pool is not None:
+                client_pool.shutdown()
             vocoder.close()
             gc.unfreeze()  # this config's objects become collectable again
         for v, key in keys.items():  # streams served within the bound (past --max-streams, not the refused ones)
