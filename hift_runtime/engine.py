@@ -30,6 +30,10 @@ class EngineTraits:
     ``calls_from_any_thread``: its calls may come from any thread (they take the engine's own lock).
     ``inline_lone_calls``: a call is short enough (a graph replay) for a quiet lone push to make its calls in the
     scheduling thread.
+    ``launches_ahead``: besides ``f0_step``/``generator_step``, ``f0_launch``/``generator_launch`` (the same
+    arguments) start a call and return a function that waits for its result; a second call may be launched before
+    the first is waited for (the device runs them in launch order), so the host prepares the next call while the
+    device runs this one. Results are waited for in launch order, each once.
     """
 
     step_sizes: tuple[int, ...] | None = None
@@ -41,6 +45,7 @@ class EngineTraits:
     noise_positions: bool = False
     calls_from_any_thread: bool = False
     inline_lone_calls: bool = False
+    launches_ahead: bool = False
 
 
 class VocoderBackend(Protocol):
@@ -228,8 +233,34 @@ def stack_calls(calls: list[StepCall]) -> StackedCalls:
 
 def run_stacked(backend: VocoderBackend, stacked: StackedCalls) -> list[Any]:
     """One batched backend call; each stacked call's result (its row)."""
+    return launch_stacked(backend, stacked)()
+
+
+def launch_stacked(backend: VocoderBackend, stacked: StackedCalls) -> Callable[[], list[Any]]:
+    """One batched backend call, started: a function that waits for it and returns each stacked call's result (its
+    row). On an engine that launches ahead (:class:`EngineTraits`) the call is on the device when this returns;
+    on any other it has run."""
+    ahead = backend.traits.launches_ahead
     if stacked.kind == "f0":
-        f0, nxt = backend.f0_step(*stacked.inputs)
-        return [(f0[i:i + 1], cache_row(nxt, i)) for i in range(stacked.rows)]
-    audio, phase, nxt = backend.generator_step(*stacked.inputs)
-    return [(audio[i:i + 1], phase[i:i + 1], cache_row(nxt, i)) for i in range(stacked.rows)]
+        if ahead:
+            wait_f0 = backend.f0_launch(*stacked.inputs)  # type: ignore[attr-defined]
+        else:
+            done_f0 = backend.f0_step(*stacked.inputs)
+            wait_f0 = lambda: done_f0  # noqa: E731
+
+        def f0_rows() -> list[Any]:
+            f0, nxt = wait_f0()
+            return [(f0[i:i + 1], cache_row(nxt, i)) for i in range(stacked.rows)]
+
+        return f0_rows
+    if ahead:
+        wait_step = backend.generator_launch(*stacked.inputs)  # type: ignore[attr-defined]
+    else:
+        done_step = backend.generator_step(*stacked.inputs)
+        wait_step = lambda: done_step  # noqa: E731
+
+    def step_rows() -> list[Any]:
+        audio, phase, nxt = wait_step()
+        return [(audio[i:i + 1], phase[i:i + 1], cache_row(nxt, i)) for i in range(stacked.rows)]
+
+    return step_rows
