@@ -651,8 +651,9 @@ def main() -> None:
                         "in-process configs). Several, comma-separated (e.g. 64,1000000: the second never queues): each K runs "
                         "under each, recorded as NAME@qb=N")
     p.add_argument("--launch-ahead", default=None,
-                   help="the scheduler's launch_ahead (in-process configs, an engine that launches ahead): on, off, or "
-                        "both (off,on): each K runs under each, recorded as NAME@ahead=on|off")
+                   help="the scheduler's launch_ahead (in-process configs, an engine that launches ahead: the compiled "
+                        "engine on CUDA with HIFT_LAUNCH_AHEAD=1): on, off, or both (off,on): each K runs under each, "
+                        "recorded as NAME@ahead=on|off")
     p.add_argument("--scheduler", default="thread",
                    help="who schedules in-process asyncio runs: thread (the scheduler's own thread, the default) or "
                         "loop (their event loop's thread: PushScheduler.attach_loop). Both, comma-separated "

@@ -1,7 +1,7 @@
 """The compiled engine's device state and captured calls: every stream's caches as rows of one device tensor
 (:class:`CacheRows`), and a step shape as CUDA graphs that copy their inputs in from pinned host buffers and their
-outputs out to them (:class:`CapturedCall` over :class:`HostMirrors`), two of each so that a call can be launched
-while another is on the device (:class:`BufferSets` hands them out)."""
+outputs out to them (:class:`CapturedCall` over :class:`HostMirrors`), one of each per buffer set: with two, a call
+can be launched while another is on the device (:class:`BufferSets` hands them out)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,6 @@ import torch
 
 from hift_runtime.arrays import byte_view, copy_rows
 from hift_runtime.slots import SlotRows
-
-
-# Buffer sets per step shape, and so calls on the device at most: one running, one launched behind it.
-SETS = 2
 
 
 class HostMirrors:
@@ -53,11 +49,12 @@ class HostMirrors:
 
 
 class BufferSets:
-    """Hands out the :data:`SETS` buffer sets of each step shape to the calls that use them, each to one call at a
-    time from its launch until its outputs are read; a call waits for a free set (another thread's call of the same
-    shape, or more calls than sets on the device)."""
+    """Hands out the ``count`` buffer sets of each step shape to the calls that use them, each to one call at a time
+    from its launch until its outputs are read, and ``count`` calls on the device at most; a call waits for a free set
+    (another thread's call of the same shape, or as many calls as sets on the device)."""
 
-    def __init__(self) -> None:
+    def __init__(self, count: int) -> None:
+        self.count = count
         self._free = threading.Condition()
         self._taken: set[tuple[Any, int]] = set()
 
@@ -65,8 +62,8 @@ class BufferSets:
         """A free set of ``shape`` (its index), now taken."""
         with self._free:
             while True:
-                for index in range(SETS):
-                    if (shape, index) not in self._taken and len(self._taken) < SETS:
+                for index in range(self.count):
+                    if (shape, index) not in self._taken and len(self._taken) < self.count:
                         self._taken.add((shape, index))
                         return index
                 self._free.wait()
@@ -85,9 +82,10 @@ class CapturedCall:
     for another thread.)"""
 
     def __init__(self, fn: Callable[..., tuple[torch.Tensor, ...]], example: list[torch.Tensor], pool: Any,
-                 mirrors: Callable[[list[torch.Tensor], tuple[torch.Tensor, ...], int], HostMirrors]) -> None:
+                 mirrors: Callable[[list[torch.Tensor], tuple[torch.Tensor, ...], int], HostMirrors],
+                 sets: int = 1) -> None:
         """``mirrors(inputs, outputs, index)``: the shape's host buffers of set ``index`` (made on its first
-        capture)."""
+        capture); ``sets``: how many (a graph each)."""
         # The example tensors themselves become the graph's input buffers: a clone would drop dynamo's dynamic/static
         # marks on them (then B = 2 compiles static, and the next batch size compiles again).
         self.inputs = list(example)
@@ -101,10 +99,10 @@ class CapturedCall:
             for _ in range(2):
                 outputs = fn(*self.inputs)
         torch.cuda.current_stream().wait_stream(side)
-        self.mirrors = [mirrors(self.inputs, outputs, index) for index in range(SETS)]
+        self.mirrors = [mirrors(self.inputs, outputs, index) for index in range(sets)]
         # The sets' graphs share the example tensors as their device inputs, and the pool: they replay one after
         # another on one stream.
-        self.graphs = [torch.cuda.CUDAGraph() for _ in range(SETS)]
+        self.graphs = [torch.cuda.CUDAGraph() for _ in range(sets)]
         for graph, set_ in zip(self.graphs, self.mirrors):
             with torch.cuda.graph(graph, pool=pool):
                 for buffer, host in zip(self.inputs, set_.inputs):

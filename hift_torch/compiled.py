@@ -9,8 +9,9 @@ fused into Triton kernels, cuDNN convolutions), behind the same bookkeeping and 
 * **CUDA graphs**: :meth:`CompiledBackend.warmup` compiles, runs and captures every shape a stream meets: the stream
   step (at each of :data:`STEP_SIZES`, or in fp32 one window of 24 frames for all of them), the final step (a window
   of 28 frames: a stream's last push is one F0 call and one final call) and the F0 step (every size up to 25 frames,
-  and :data:`F0_SIZES_PAST_THE_STEP`), each at every batch size, twice (two sets of pinned buffers); a call is the
-  host's writes into pinned buffers and one replay, then one wait, and the next call can be launched before the wait
+  and :data:`F0_SIZES_PAST_THE_STEP`), each at every batch size; a call is the host's writes into pinned buffers and
+  one replay, then one wait. Asked by :data:`LAUNCH_AHEAD_ENV` (an experiment until it is measured on a GPU), each
+  shape is captured twice, over two sets of pinned buffers, and the next call can be launched before the wait
   (``EngineTraits.launches_ahead``).
 * **Precision** (``fp32``: TF32 off, parity; ``tf32``; ``fp16``: the convolution trunk in half precision, the source,
   STFT, phase and iSTFT head in float32). The F0 step runs in the export's F0 precision (float64 by default).
@@ -69,6 +70,14 @@ F0_SIZES_PAST_THE_STEP = (26, 38, 50, 76, 100)
 CONV_LAYOUT = {"fp32": "channels-first", "tf32": "channels-first", "fp16": "channels-last"}
 # Where the stream step is one graph over its window (BENCHMARKS.md, decision log: fp32 only).
 STEP_WINDOW = {"fp32": True, "tf32": False, "fp16": False}
+# "1": two buffer sets per captured shape, and a call launched behind the one on the device before its wait
+# (EngineTraits.launches_ahead): unlisted while it is measured on a GPU (BENCHMARKS.md).
+LAUNCH_AHEAD_ENV = "HIFT_LAUNCH_AHEAD"
+
+
+def launch_ahead_asked() -> bool:
+    """Whether :data:`LAUNCH_AHEAD_ENV` asks for launching ahead."""
+    return os.environ.get(LAUNCH_AHEAD_ENV, "").strip().lower() in ("1", "on", "true", "yes")
 
 
 def cuda_available() -> bool:
@@ -134,7 +143,7 @@ class CompiledBackend:
                                    step_window=self.step_window_frames, final_window=self.final_window_frames,
                                    caches_in_place=True, f0_caches_in_place=True, noise_positions=True,
                                    calls_from_any_thread=True, inline_lone_calls=self.cuda_graphs,
-                                   launches_ahead=self.cuda_graphs)
+                                   launches_ahead=self.cuda_graphs and launch_ahead_asked())
         self.name = f"compiled[{self.device.type}:{precision}]" if self.compiled else f"torch[{self.device.type}]"
         self.generator, self.predictor = load_folded(manifest, self.device)
         if self.conv_layout == "channels-last":
@@ -151,7 +160,7 @@ class CompiledBackend:
         self._graphs: dict[tuple[str, int, int], CapturedCall] = {}
         # (kind, frames, set) -> its pinned host buffers, each set used by one call at a time (_buffer_sets)
         self._mirrors: dict[tuple[str, int, int], HostMirrors] = {}
-        self._buffer_sets = BufferSets()
+        self._buffer_sets = BufferSets(2 if self.traits.launches_ahead else 1)
         self._graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         self._compiled = self._compiled_forms() if self.compiled else {"generator": self._step, "final": self._final,
                                                                        "f0": self._f0}
@@ -420,7 +429,7 @@ class CompiledBackend:
             if self.cuda_graphs:
                 self._graphs[(kind, size, batch)] = threads.run((kind, size, batch), lambda: CapturedCall(
                     fn, self._example(kind, size, batch), self._graph_pool,
-                    functools.partial(self._mirrors_of, kind, size)))
+                    functools.partial(self._mirrors_of, kind, size), self._buffer_sets.count))
             else:
                 threads.run((kind, size, batch), lambda: fn(*self._example(kind, size, batch)))
             self.warmup_seconds[f"{kind}:{size}x{batch}"] = round(time.perf_counter() - shape_started, 3)
