@@ -29,12 +29,16 @@ def cases() -> dict[str, Callable[[], np.ndarray]]:
     mel = rng.random((80, 204), dtype=np.float32)
     audio = rng.random((88, 24 * 480), dtype=np.float32)  # a batched call's audio; a stream's piece is one row
     piece = audio[5, 480:]
+    group_mel = [rng.random((1, 80, 27), dtype=np.float32) for _ in range(60)]  # a generator call's stacked inputs
+    group_index = [np.array([[i]], np.int64) for i in range(60)]
     return {
         "np.ascontiguousarray of a step's mel window (80 x 28)": lambda: np.ascontiguousarray(mel[None, :, 30:58]),
         "arrays.contiguous_copy of a step's mel window (80 x 28)": lambda: contiguous_copy(mel[None, :, 30:58]),
         "ndarray.copy of a step's audio piece (11 040)": piece.copy,
         "arrays.contiguous_copy of a step's audio piece (11 040)": lambda: contiguous_copy(piece),
         "arrays.concat_rows of a push's emitted audio (one piece)": lambda: concat_rows([piece]),
+        "arrays.concat_rows of a 60-stream group's mel rows (60 x 80 x 27)": lambda: concat_rows(group_mel),
+        "arrays.concat_rows of a 60-stream group's noise positions (60 x 1 int64)": lambda: concat_rows(group_index),
     }
 
 
