@@ -240,27 +240,19 @@ def launch_stacked(backend: VocoderBackend, stacked: StackedCalls) -> Callable[[
     """One batched backend call, started: a function that waits for it and returns each stacked call's result (its
     row). On an engine that launches ahead (:class:`EngineTraits`) the call is on the device when this returns;
     on any other it has run."""
-    ahead = backend.traits.launches_ahead
-    if stacked.kind == "f0":
-        if ahead:
-            wait_f0 = backend.f0_launch(*stacked.inputs)  # type: ignore[attr-defined]
-        else:
-            done_f0 = backend.f0_step(*stacked.inputs)
-            wait_f0 = lambda: done_f0  # noqa: E731
-
-        def f0_rows() -> list[Any]:
-            f0, nxt = wait_f0()
-            return [(f0[i:i + 1], cache_row(nxt, i)) for i in range(stacked.rows)]
-
-        return f0_rows
-    if ahead:
-        wait_step = backend.generator_launch(*stacked.inputs)  # type: ignore[attr-defined]
+    f0 = stacked.kind == "f0"
+    if backend.traits.launches_ahead:
+        wait = (backend.f0_launch if f0 else backend.generator_launch)(*stacked.inputs)  # type: ignore[attr-defined]
     else:
-        done_step = backend.generator_step(*stacked.inputs)
-        wait_step = lambda: done_step  # noqa: E731
+        done = (backend.f0_step if f0 else backend.generator_step)(*stacked.inputs)
+        wait = lambda: done  # noqa: E731
 
-    def step_rows() -> list[Any]:
-        audio, phase, nxt = wait_step()
+    def rows() -> list[Any]:
+        out = wait()
+        if f0:
+            values, nxt = out
+            return [(values[i:i + 1], cache_row(nxt, i)) for i in range(stacked.rows)]
+        audio, phase, nxt = out
         return [(audio[i:i + 1], phase[i:i + 1], cache_row(nxt, i)) for i in range(stacked.rows)]
 
-    return step_rows
+    return rows

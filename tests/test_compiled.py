@@ -608,7 +608,8 @@ def test_warmup_loads_graphs_while_threads_choose_and_captures_in_the_choosers(s
             raise RuntimeError("CUDA out of memory")
         real_choose(group)
 
-    def captured(fn, example, pool, mirrors):
+    def captured(fn, example, pool, mirrors, sets):
+        assert sets == 1  # one buffer set a shape, unless launching ahead is asked
         events.append(("captured", threading.current_thread().name, tuple(t.shape for t in example)))
         fn(*example)
         return threading.current_thread().name
