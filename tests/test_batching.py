@@ -48,22 +48,31 @@ def test_concurrent_streams_through_the_batcher_equal_each_alone(small_artifacts
     assert batched.open_streams == 0
 
 
+def queued_streams_equal_alone(batched, alone, seed: int, n: int = 6) -> float:
+    """``n`` streams of random lengths and chunks through ``batched`` with any group queued behind the call on the
+    device (``queue_behind`` 1; the default is a quarter of max_batch), each equal to its solo run; the wall
+    seconds they took."""
+    batched.scheduler.queue_behind = 1
+    rng = np.random.default_rng(seed)
+    mels = [random_mel(int(rng.integers(40, 90)), seed=10 * seed + i) for i in range(n)]
+    schedules = [[int(x) for x in rng.integers(1, 30, 5)] + [500] for _ in range(n)]
+    delays = rng.random(n) * 0.02
+    expected = [run_stream(alone, m, s) for m, s in zip(mels, schedules)]
+    started = time.perf_counter()
+    results = run_in_threads(lambda i: run_stream(batched, mels[i], schedules[i], delays[i]), range(n))
+    wall = time.perf_counter() - started
+    for i in range(n):
+        assert max_abs(results[i], expected[i]) <= 1e-6, i  # as above: float32 noise of batched convolutions
+    return wall
+
+
 def test_calls_queued_behind_the_device_keep_every_stream_exact(small_artifacts, alone):
     """A group ready when a call lands starts behind the next one, on the device thread's queue (no scheduler wake-up
     between them); the streams still equal their solo runs."""
     batched = open_vocoder(small_artifacts.out, device="cpu", batching=True, max_wait_ms=2)
     batched.scheduler.backend = slow = FaultyBackend(batched.scheduler.backend)
     slow.delay = 0.004  # a device call long enough for groups to form behind it
-    batched.scheduler.queue_behind = 1  # any group (the default: a quarter of max_batch)
-    rng = np.random.default_rng(5)
-    n = 6
-    mels = [random_mel(int(rng.integers(40, 90)), seed=60 + i) for i in range(n)]
-    schedules = [[int(x) for x in rng.integers(1, 30, 5)] + [500] for _ in range(n)]
-    delays = rng.random(n) * 0.02
-    expected = [run_stream(alone, m, s) for m, s in zip(mels, schedules)]
-    results = run_in_threads(lambda i: run_stream(batched, mels[i], schedules[i], delays[i]), range(n))
-    for i in range(n):
-        assert max_abs(results[i], expected[i]) <= 1e-6, i  # as above: float32 noise of batched convolutions
+    queued_streams_equal_alone(batched, alone, seed=5)
     assert batched.scheduler.stats.queued > 0
     assert batched.open_streams == 0
     batched.close()
@@ -107,20 +116,9 @@ def test_calls_launched_ahead_keep_every_stream_exact(small_artifacts, alone, ah
     batched = open_vocoder(small_artifacts.out, device="cpu", batching=True, max_wait_ms=2)
     batched.scheduler.backend = launching = LaunchingBackend(batched.scheduler.backend)
     launching.delay = 0.004
-    batched.scheduler.queue_behind = 1
     batched.scheduler.launch_ahead = ahead
-    rng = np.random.default_rng(7)
-    n = 6
-    mels = [random_mel(int(rng.integers(40, 90)), seed=80 + i) for i in range(n)]
-    schedules = [[int(x) for x in rng.integers(1, 30, 5)] + [500] for _ in range(n)]
-    delays = rng.random(n) * 0.02
-    expected = [run_stream(alone, m, s) for m, s in zip(mels, schedules)]
-    started = time.perf_counter()
-    results = run_in_threads(lambda i: run_stream(batched, mels[i], schedules[i], delays[i]), range(n))
-    wall = time.perf_counter() - started
+    wall = queued_streams_equal_alone(batched, alone, seed=7)
     batched.close()
-    for i in range(n):
-        assert max_abs(results[i], expected[i]) <= 1e-6, i  # float32 noise of batched convolutions, as above
     log = launching.log
     assert [number for what, number in log if what == "wait"] == sorted(number for what, number in log
                                                                          if what == "launch")
