@@ -282,16 +282,30 @@ class _Records:
         self.refused += other.refused
 
 
-def client_processes(count: int) -> Any:
+class ClientProcesses:
     """``count`` client processes for the served config (spawned: gRPC does not survive a fork), started and their
-    imports done, so that a run's streams start on time."""
-    import concurrent.futures
-    import multiprocessing
+    imports done before a run, so that its streams start on time; :meth:`run` deals a run's streams out to them."""
 
-    pool = concurrent.futures.ProcessPoolExecutor(count, mp_context=multiprocessing.get_context("spawn"))
-    for ready in [pool.submit(_client_ready, 0.5) for _ in range(count)]:
-        ready.result()
-    return pool
+    def __init__(self, count: int) -> None:
+        import concurrent.futures
+        import multiprocessing
+
+        self.count = count
+        self.pool = concurrent.futures.ProcessPoolExecutor(count, mp_context=multiprocessing.get_context("spawn"))
+        for ready in [self.pool.submit(_client_ready, 0.5) for _ in range(count)]:
+            ready.result()
+
+    def run(self, grpc_urls: list[str], k: int, start: float, seconds: float, schedule: str) -> "_Records":
+        """Streams ``0..k-1`` dealt out in turn, each process's share as tasks of its own event loop; their records
+        merged."""
+        rec = _Records()
+        for share in [self.pool.submit(_client_share, grpc_urls, k, range(n, k, self.count), start, seconds,
+                                       schedule) for n in range(self.count)]:
+            rec.merge(share.result())
+        return rec
+
+    def close(self) -> None:
+        self.pool.shutdown()
 
 
 def _client_ready(linger_s: float) -> None:
@@ -437,7 +451,8 @@ def drive_streams(vocoder: Any, k: int, indices: Any, start: float, seconds: flo
 
 
 def run_k(vocoder, k: int, seconds: float, clients: str = "threads", collections: Any = None,
-          loop_scheduler: bool = False, schedule: str = "24", client_pool: Any = None) -> dict[str, Any]:
+          loop_scheduler: bool = False, schedule: str = "24",
+          client_processes: ClientProcesses | None = None) -> dict[str, Any]:
     """``clients``: ``threads`` (a thread per stream, ``push``) or ``asyncio`` (a task per stream on one event loop,
     no thread per stream: ``apush`` in-process, :class:`~hift_runtime.client.AsyncServerClient` served).
     ``collections``: this process's garbage-collection timer, reported for in-process runs. ``loop_scheduler``:
@@ -448,7 +463,7 @@ def run_k(vocoder, k: int, seconds: float, clients: str = "threads", collections
     release yet (``audio_lag + mel_look_ahead``) plus the chunk bound (``P95_BOUND_MS``) have passed from its start (a
     player's jitter buffer: with chunks due as playback reaches their mel, a chunk's audio is needed that much after
     it is due); a piece that arrives after playback reached its first sample is a stall (its lateness is reported).
-    ``client_pool``: served, the asyncio streams dealt out to these client processes (:func:`client_processes`)."""
+    ``client_processes``: served, the asyncio streams dealt out to these (:class:`ClientProcesses`)."""
     frames = int(seconds * 50)
     before = _counters(vocoder)
     stats = getattr(getattr(vocoder, "scheduler", None), "stats", None)  # the same object over the run
@@ -464,16 +479,12 @@ def run_k(vocoder, k: int, seconds: float, clients: str = "threads", collections
     collections_before = vocoder.full_collections()[0] if isinstance(vocoder, _Served) else 0.0
     if collections is not None:  # this process's garbage collections (hift_runtime.process_tuning.CollectionPauses)
         collections.reset()
-    start = time.monotonic() + 0.3
-    if client_pool is None:
+    if client_processes is None:
+        start = time.monotonic() + 0.3
         rec = drive_streams(vocoder, k, range(k), start, seconds, schedule, clients, loop_scheduler)
-    else:  # the streams dealt out to the client processes, each an event loop of its own
-        shares = client_pool._max_workers  # noqa: SLF001 - the pool's size, as made by client_processes()
+    else:  # a second for the processes to receive their shares before the first arrival
         start = time.monotonic() + 1.0
-        rec = _Records()
-        for share in [client_pool.submit(_client_share, vocoder.grpc_urls, k, range(n, k, shares), start, seconds,
-                                         schedule) for n in range(shares)]:
-            rec.merge(share.result())
+        rec = client_processes.run(vocoder.grpc_urls, k, start, seconds, schedule)
     wall = time.monotonic() - start
     lat, call_lat, by_index, first = rec.lat, rec.call_lat, rec.by_index, rec.first
     chunk_firsts, lateness, utterance_firsts, errors = rec.chunk_firsts, rec.lateness, rec.utterance_firsts, rec.errors
@@ -813,8 +824,8 @@ def main() -> None:
                                                  getattr(backend, "name", name)),
                                       "gpu_memory_after_warmup_mb": gpu_memory_mb(), "runs": rows_of[(ms, qb, driver, ahead)],
                                       "warmup_seconds_by_shape": getattr(backend, "warmup_seconds", None)}
-        client_pool = (client_processes(args.served_client_processes)
-                       if name == "served" and args.clients == "asyncio" and args.served_client_processes > 1 else None)
+        client_processes = (ClientProcesses(args.served_client_processes) if name == "served"
+                            and args.clients == "asyncio" and args.served_client_processes > 1 else None)
         try:
             for k in [k for k in ks for _ in range(args.repeats)]:
                 ended = 0
@@ -826,7 +837,7 @@ def main() -> None:
                     if ahead is not None and getattr(vocoder, "scheduler", None) is not None:
                         vocoder.scheduler.launch_ahead = ahead == "on"
                     row = run_k(vocoder, k, args.seconds, args.clients, collections, driver == "loop", args.schedule,
-                                client_pool)
+                                client_processes)
                     rows_of[(ms, qb, driver, ahead)].append(row)
                     print(key, json.dumps(row), flush=True)
                     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
@@ -836,8 +847,8 @@ def main() -> None:
                 if ended == len(keys):
                     break
         finally:  # a served config's server never outlives the script
-            if client_pool is not None:
-                client_pool.shutdown()
+            if client_processes is not None:
+                client_processes.close()
             vocoder.close()
             gc.unfreeze()  # this config's objects become collectable again
         for v, key in keys.items():  # streams served within the bound (past --max-streams, not the refused ones)
