@@ -661,10 +661,6 @@ def main() -> None:
                    help="the scheduler's queue_behind (the smallest group queued behind a call on the device; "
                         "in-process configs). Several, comma-separated (e.g. 64,1000000: the second never queues): each K runs "
                         "under each, recorded as NAME@qb=N")
-    p.add_argument("--launch-ahead", default=None,
-                   help="the scheduler's launch_ahead (in-process configs, an engine that launches ahead: the compiled "
-                        "engine on CUDA with HIFT_LAUNCH_AHEAD=1): on, off, or both (off,on): each K runs under each, "
-                        "recorded as NAME@ahead=on|off")
     p.add_argument("--scheduler", default="thread",
                    help="who schedules in-process asyncio runs: thread (the scheduler's own thread, the default) or "
                         "loop (their event loop's thread: PushScheduler.attach_loop). Both, comma-separated "
@@ -743,10 +739,7 @@ def main() -> None:
         p.error("--scheduler loop schedules from the clients' event loop: it needs --clients asyncio")
     # Each K runs under every (switch interval, queue_behind, scheduler) variant, one after the other, on the same
     # open vocoder.
-    aheads = args.launch_ahead.split(",") if args.launch_ahead else [None]
-    if not set(aheads) <= {"on", "off", None}:
-        p.error(f"--launch-ahead takes on, off or both, got {args.launch_ahead!r}")
-    variants = [(ms, qb, d, a) for ms in intervals_ms for qb in queue_behinds for d in drivers for a in aheads]
+    variants = [(ms, qb, d) for ms in intervals_ms for qb in queue_behinds for d in drivers]
     if args.cudnn_threads and (args.engine != "compiled" or "served" in args.configs):
         p.error("--cudnn-threads is for the compiled engine in process (hift-serve runs the engine's defaults)")
     for name in args.configs.split(","):
@@ -792,23 +785,22 @@ def main() -> None:
             tune_garbage_collector()  # as hift-serve does once warm
         # One record per variant (the same open vocoder): NAME, or NAME@si=MS / @qb=N / @sched=D, joined by commas,
         # for each axis with several values.
-        def key_of(ms: float | None, qb: int | None, driver: str, ahead: str | None) -> str:
+        def key_of(ms: float | None, qb: int | None, driver: str) -> str:
             parts = (([f"si={ms:g}"] if len(intervals_ms) > 1 else []) + ([f"qb={qb}"] if len(queue_behinds) > 1 else [])
-                     + ([f"sched={driver}"] if len(drivers) > 1 else []) + ([f"ahead={ahead}"] if len(aheads) > 1 else []))
+                     + ([f"sched={driver}"] if len(drivers) > 1 else []))
             return f"{name}@{','.join(parts)}" if parts else name
 
         # A served config schedules inside its servers (hift-serve's scheduler thread): no loop-driven variant.
         keys = {v: key_of(*v) for v in variants if name != "served" or v[2] == "thread"}
-        rows_of: dict[tuple[float | None, int | None, str, str | None], list[dict[str, Any]]] = {v: [] for v in keys}
+        rows_of: dict[tuple[float | None, int | None, str], list[dict[str, Any]]] = {v: [] for v in keys}
         backend = getattr(vocoder, "backend", None)
-        for (ms, qb, driver, ahead), key in keys.items():
+        for (ms, qb, driver), key in keys.items():
             result["configs"][key] = {"open_and_warmup_s": ready_s,
                                       "inline_lone_calls": getattr(getattr(vocoder, "scheduler", None),
                                                                    "inline_lone_calls", None),
                                       "warm_stream_s": warm_stream_s, "parity_max_abs_vs_cpu": parity,
                                       "switch_interval_ms": ms, "queue_behind": qb,
                                       "loop_scheduler": driver == "loop",  # asyncio clients, in process
-                                      "launch_ahead": ahead,
                                       "traits": (dataclasses.asdict(backend.traits)
                                                  if backend is not None and hasattr(backend, "traits") else None),
                                       "cudnn_threads": args.cudnn_threads,
@@ -822,23 +814,21 @@ def main() -> None:
                                                     if args.served_client_processes > 1 else "")
                                                  if name == "served" else
                                                  getattr(backend, "name", name)),
-                                      "gpu_memory_after_warmup_mb": gpu_memory_mb(), "runs": rows_of[(ms, qb, driver, ahead)],
+                                      "gpu_memory_after_warmup_mb": gpu_memory_mb(), "runs": rows_of[(ms, qb, driver)],
                                       "warmup_seconds_by_shape": getattr(backend, "warmup_seconds", None)}
         client_processes = (ClientProcesses(args.served_client_processes) if name == "served"
                             and args.clients == "asyncio" and args.served_client_processes > 1 else None)
         try:
             for k in [k for k in ks for _ in range(args.repeats)]:
                 ended = 0
-                for (ms, qb, driver, ahead), key in keys.items():
+                for (ms, qb, driver), key in keys.items():
                     if ms is not None:
                         sys.setswitchinterval(ms / 1e3)
                     if qb is not None and getattr(vocoder, "scheduler", None) is not None:
                         vocoder.scheduler.queue_behind = qb
-                    if ahead is not None and getattr(vocoder, "scheduler", None) is not None:
-                        vocoder.scheduler.launch_ahead = ahead == "on"
                     row = run_k(vocoder, k, args.seconds, args.clients, collections, driver == "loop", args.schedule,
                                 client_processes)
-                    rows_of[(ms, qb, driver, ahead)].append(row)
+                    rows_of[(ms, qb, driver)].append(row)
                     print(key, json.dumps(row), flush=True)
                     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
                     # A miss does not end the ramp: a batching runtime can keep up better at larger K (bigger

@@ -14,8 +14,7 @@ a chunk's first piece). While that call runs on the device, the scheduler hands 
 advances those pushes to their next calls and takes in new pushes, so the device waits for Python only when there is
 nothing to run. The group grows with the load by itself: every push that arrives while a call runs can join the next.
 The scheduler stacks a group's inputs as it launches it, so the device thread only makes calls and the device waits
-for no stacking between two of them; on an engine that launches ahead, the device thread launches a call queued
-behind the one on the device before it waits for that one, so the device does not wait for the host between them.
+for no stacking between two of them.
 
 An application whose streams are tasks of one event loop can let that loop's thread do the scheduling instead
 (:meth:`PushScheduler.attach_loop`): one thread fewer trading the GIL at every NumPy call.
@@ -42,7 +41,6 @@ import concurrent.futures
 import heapq
 import itertools
 import math
-import queue
 import threading
 import time
 import weakref
@@ -52,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from .engine import CancelToken, StackedCalls, StepCall, VocoderBackend, launch_stacked, run_stacked, stack_calls
+from .engine import CancelToken, StackedCalls, StepCall, VocoderBackend, run_stacked, stack_calls
 from .errors import PushCancelled, SchedulerClosed
 
 __all__ = ["BatchStats", "PushScheduler", "SchedulerClosed"]
@@ -66,8 +64,7 @@ class BatchStats:
     calls: int = 0
     batches: int = 0
     max_batch: int = 0
-    busy_s: float = 0.0  # time inside the backend's calls (the device's utilisation over a run; counted once where
-    # a call was launched behind another)
+    busy_s: float = 0.0  # time inside the backend's calls (the device's utilisation over a run; two at once overlap)
     queued: int = 0  # batches started behind another still on the device (no scheduler wake-up between the two)
     by_kind: dict[str, list[float]] = field(default_factory=dict)  # kind -> [calls, batches, busy seconds]
     # The same by step shape, "kind@mel frames" (the step's frames plus its look-ahead): what each step size costs
@@ -133,11 +130,8 @@ class PushScheduler:
         self._cv = threading.Condition()
         self._closing = False
         self._wakers: weakref.WeakKeyDictionary[Any, _LoopWaker] = weakref.WeakKeyDictionary()  # one per loop
-        # On an engine that launches ahead: the device thread launches a call queued behind the one on the device
-        # before it waits for that one, so the device does not wait for the host between the two.
-        self.launch_ahead = True
         # The batched calls run here, so the scheduler thread keeps Python work going while the device computes.
-        self._device = _DeviceThread(lambda: self.backend, lambda: self.launch_ahead)
+        self._device = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hift-batch-call")
         self._ready = _ReadyCalls()  # pushes whose next call waits for the device
         self._flights: collections.deque[_Flight] = collections.deque()  # on the device (the first), queued behind
         # Who runs the scheduling: this scheduler's own thread (None), or an event loop (attach_loop) in its thread.
@@ -260,7 +254,7 @@ class PushScheduler:
         for p in leftovers:
             self._fail(p, SchedulerClosed("the vocoder's scheduler was closed (vocoder.close()) while this push waited "
                                           "for the device"), close_steps=False)
-        self._device.shutdown()
+        self._device.shutdown(wait=False)
 
     # ---- who schedules: the scheduler's own thread, or an event loop ----------------------------------------------
     def attach_loop(self, loop: Any) -> None:
@@ -471,7 +465,7 @@ class PushScheduler:
             future.set_exception(exc)
             future.add_done_callback(self._notify)
             return _Flight(group, future)
-        future = self._device.submit(stacked)
+        future = self._device.submit(self._timed_call, stacked)
         future.add_done_callback(self._notify)
         return _Flight(group, future)
 
@@ -547,77 +541,6 @@ class PushScheduler:
                 push.waiter.set()
         if push.on_done is not None:
             push.on_done()
-
-
-class _DeviceThread:
-    """The thread that makes the batched calls on ``backend()``, one after another in the order submitted; each future
-    holds the call's results and its busy seconds. Where ``launch_ahead()`` and the engine launches ahead
-    (``EngineTraits.launches_ahead``), a call submitted while one is on the device is launched before that one is
-    waited for, two on the device at most; busy seconds then count from the later of a call's launch and the previous
-    call's end (the device's time, not counted twice)."""
-
-    def __init__(self, backend: Callable[[], VocoderBackend], launch_ahead: Callable[[], bool]) -> None:
-        self.backend, self.launch_ahead = backend, launch_ahead
-        self._jobs: queue.SimpleQueue[tuple[concurrent.futures.Future, StackedCalls] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="hift-batch-call", daemon=True)
-        self._thread.start()
-
-    def submit(self, stacked: StackedCalls) -> concurrent.futures.Future[tuple[list[Any], float]]:
-        future: concurrent.futures.Future[tuple[list[Any], float]] = concurrent.futures.Future()
-        self._jobs.put((future, stacked))
-        return future
-
-    def shutdown(self) -> None:
-        """Stop once the calls submitted so far are done (returns at once)."""
-        self._jobs.put(None)
-
-    def _run(self) -> None:
-        # (future, launched at, the function that waits for its results), in launch order
-        on_device: collections.deque[tuple[concurrent.futures.Future, float, Callable[[], list[Any]]]] = \
-            collections.deque()
-        last_end, stopping = 0.0, False
-        while True:
-            job: Any = ()
-            depth = 2 if self.backend().traits.launches_ahead and self.launch_ahead() else 1
-            if not stopping and len(on_device) < depth:
-                try:
-                    job = self._jobs.get(block=not on_device)
-                except queue.Empty:
-                    pass
-            if job is None:
-                stopping = True
-            elif job:
-                self._launch(*job, on_device)
-                continue
-            if not on_device:
-                if stopping:
-                    return
-                continue
-            last_end = self._land(*on_device.popleft(), last_end)
-
-    def _launch(self, future: concurrent.futures.Future, stacked: StackedCalls,
-                on_device: collections.deque[tuple[concurrent.futures.Future, float, Callable[[], list[Any]]]]) -> None:
-        """(Its own frame: nothing of a call outlives it here, since its inputs hold its streams' device slots.)"""
-        if not future.set_running_or_notify_cancel():
-            return
-        launched = time.perf_counter()
-        try:
-            on_device.append((future, launched, launch_stacked(self.backend(), stacked)))
-        except BaseException as exc:  # noqa: BLE001 - this call's pushes fail, and no other
-            future.set_exception(exc)
-
-    @staticmethod
-    def _land(future: concurrent.futures.Future, launched: float, wait: Callable[[], list[Any]],
-              last_end: float) -> float:
-        """A call's results into its future; when it ended."""
-        try:
-            results = wait()
-        except BaseException as exc:  # noqa: BLE001
-            future.set_exception(exc)
-            return time.perf_counter()
-        end = time.perf_counter()
-        future.set_result((results, end - max(launched, last_end)))
-        return end
 
 
 class _ReadyCalls:

@@ -30,10 +30,6 @@ class EngineTraits:
     ``calls_from_any_thread``: its calls may come from any thread (they take the engine's own lock).
     ``inline_lone_calls``: a call is short enough (a graph replay) for a quiet lone push to make its calls in the
     scheduling thread.
-    ``launches_ahead``: besides ``f0_step``/``generator_step``, ``f0_launch``/``generator_launch`` (the same
-    arguments) start a call and return a function that waits for its result; a second call may be launched before
-    the first is waited for (the device runs them in launch order), so the host prepares the next call while the
-    device runs this one. Results are waited for in launch order, each once.
     """
 
     step_sizes: tuple[int, ...] | None = None
@@ -45,7 +41,6 @@ class EngineTraits:
     noise_positions: bool = False
     calls_from_any_thread: bool = False
     inline_lone_calls: bool = False
-    launches_ahead: bool = False
 
 
 class VocoderBackend(Protocol):
@@ -233,26 +228,8 @@ def stack_calls(calls: list[StepCall]) -> StackedCalls:
 
 def run_stacked(backend: VocoderBackend, stacked: StackedCalls) -> list[Any]:
     """One batched backend call; each stacked call's result (its row)."""
-    return launch_stacked(backend, stacked)()
-
-
-def launch_stacked(backend: VocoderBackend, stacked: StackedCalls) -> Callable[[], list[Any]]:
-    """One batched backend call, started: a function that waits for it and returns each stacked call's result (its
-    row). On an engine that launches ahead (:class:`EngineTraits`) the call is on the device when this returns;
-    on any other it has run."""
-    f0 = stacked.kind == "f0"
-    if backend.traits.launches_ahead:
-        wait = (backend.f0_launch if f0 else backend.generator_launch)(*stacked.inputs)  # type: ignore[attr-defined]
-    else:
-        done = (backend.f0_step if f0 else backend.generator_step)(*stacked.inputs)
-        wait = lambda: done  # noqa: E731
-
-    def rows() -> list[Any]:
-        out = wait()
-        if f0:
-            values, nxt = out
-            return [(values[i:i + 1], cache_row(nxt, i)) for i in range(stacked.rows)]
-        audio, phase, nxt = out
-        return [(audio[i:i + 1], phase[i:i + 1], cache_row(nxt, i)) for i in range(stacked.rows)]
-
-    return rows
+    if stacked.kind == "f0":
+        f0, nxt = backend.f0_step(*stacked.inputs)
+        return [(f0[i:i + 1], cache_row(nxt, i)) for i in range(stacked.rows)]
+    audio, phase, nxt = backend.generator_step(*stacked.inputs)
+    return [(audio[i:i + 1], phase[i:i + 1], cache_row(nxt, i)) for i in range(stacked.rows)]

@@ -1,11 +1,9 @@
 """The compiled engine's device state and captured calls: every stream's caches as rows of one device tensor
-(:class:`CacheRows`), and a step shape as CUDA graphs that copy their inputs in from pinned host buffers and their
-outputs out to them (:class:`CapturedCall` over :class:`HostMirrors`), one of each per buffer set: with two, a call
-can be launched while another is on the device (:class:`BufferSets` hands them out)."""
+(:class:`CacheRows`), and a step shape as a CUDA graph that copies its inputs in from pinned host buffers and its
+outputs out to them (:class:`CapturedCall` over :class:`HostMirrors`)."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -18,10 +16,9 @@ from hift_runtime.slots import SlotRows
 
 class HostMirrors:
     """Pinned host buffers of one step shape's inputs and outputs, ``rows`` rows each, shared by its graphs of every
-    batch size (one call at a time: :class:`BufferSets`); a graph of batch ``B`` copies rows ``[0, B)``. Per batch
+    batch size (one call at a time: the backend's lock); a graph of batch ``B`` copies rows ``[0, B)``. Per batch
     size they would pin ~280 MB at full size (the host allocator rounds each to a power of two); shared, ~56 MB of
-    buffers a set (< 100 MB pinned). ``done``: recorded after a call's replay, waited for before its outputs are
-    read."""
+    buffers (< 100 MB pinned)."""
 
     def __init__(self, inputs: list[torch.Tensor], outputs: tuple[torch.Tensor, ...], rows: int) -> None:
         self.inputs = [torch.zeros((rows, *t.shape[1:]), dtype=t.dtype, pin_memory=True) for t in inputs]
@@ -29,7 +26,6 @@ class HostMirrors:
         self.host_in = [t.numpy() for t in self.inputs]
         self.host_out = [t.numpy() for t in self.outputs]
         self.dirty = 0  # rows past which every input row is zero (the buffers start as zeros)
-        self.done = torch.cuda.Event()
 
     def write(self, values: list[np.ndarray], rows: int, batch: int) -> None:
         """``values`` into the first ``rows`` rows; rows ``[rows, batch)`` zero (slot 0: the scratch row), since a
@@ -48,44 +44,15 @@ class HostMirrors:
         self.dirty = self.dirty if self.dirty > batch else rows
 
 
-class BufferSets:
-    """Hands out the ``count`` buffer sets of each step shape to the calls that use them, each to one call at a time
-    from its launch until its outputs are read, and ``count`` calls on the device at most; a call waits for a free set
-    (another thread's call of the same shape, or as many calls as sets on the device)."""
-
-    def __init__(self, count: int) -> None:
-        self.count = count
-        self._free = threading.Condition()
-        self._taken: set[tuple[Any, int]] = set()
-
-    def take(self, shape: Any) -> int:
-        """A free set of ``shape`` (its index), now taken."""
-        with self._free:
-            while True:
-                for index in range(self.count):
-                    if (shape, index) not in self._taken and len(self._taken) < self.count:
-                        self._taken.add((shape, index))
-                        return index
-                self._free.wait()
-
-    def give_back(self, shape: Any, index: int) -> None:
-        with self._free:
-            self._taken.discard((shape, index))
-            self._free.notify_all()
-
-
 class CapturedCall:
-    """One call of ``fn`` at one fixed shape as CUDA graphs that copy its inputs in from pinned host buffers
-    (:class:`HostMirrors`) and its outputs out to them, one graph per buffer set: a call is the host's writes into a
-    set, one replay (:meth:`launch`), then one wait and the outputs' copies (:meth:`wait`). (Copied one by one, a
-    call's six inputs and two outputs each released the GIL and took it back: in a busy process each take-back waits
-    for another thread.)"""
+    """One call of ``fn`` at one fixed shape as a CUDA graph that copies its inputs in from pinned host buffers
+    (:class:`HostMirrors`) and its outputs out to them: a call is the host's writes into the buffers, one replay and one
+    wait. (Copied one by one, a call's six inputs and two outputs each released the GIL and took it back: in a busy
+    process each take-back waits for another thread.)"""
 
     def __init__(self, fn: Callable[..., tuple[torch.Tensor, ...]], example: list[torch.Tensor], pool: Any,
-                 mirrors: Callable[[list[torch.Tensor], tuple[torch.Tensor, ...], int], HostMirrors],
-                 sets: int = 1) -> None:
-        """``mirrors(inputs, outputs, index)``: the shape's host buffers of set ``index`` (made on its first
-        capture); ``sets``: how many (a graph each)."""
+                 mirrors: Callable[[list[torch.Tensor], tuple[torch.Tensor, ...]], HostMirrors]) -> None:
+        """``mirrors(inputs, outputs)``: the shape's host buffers (made on its first capture)."""
         # The example tensors themselves become the graph's input buffers: a clone would drop dynamo's dynamic/static
         # marks on them (then B = 2 compiles static, and the next batch size compiles again).
         self.inputs = list(example)
@@ -99,35 +66,21 @@ class CapturedCall:
             for _ in range(2):
                 outputs = fn(*self.inputs)
         torch.cuda.current_stream().wait_stream(side)
-        self.mirrors = [mirrors(self.inputs, outputs, index) for index in range(sets)]
-        # The sets' graphs share the example tensors as their device inputs, and the pool: they replay one after
-        # another on one stream.
-        self.graphs = [torch.cuda.CUDAGraph() for _ in range(sets)]
-        for graph, set_ in zip(self.graphs, self.mirrors):
-            with torch.cuda.graph(graph, pool=pool):
-                for buffer, host in zip(self.inputs, set_.inputs):
-                    buffer.copy_(host[:self.batch], non_blocking=True)
-                for host, out in zip(set_.outputs, fn(*self.inputs)):
-                    host[:self.batch].copy_(out, non_blocking=True)
+        self.mirrors = mirrors(self.inputs, outputs)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            for buffer, host in zip(self.inputs, self.mirrors.inputs):
+                buffer.copy_(host[:self.batch], non_blocking=True)
+            for host, out in zip(self.mirrors.outputs, fn(*self.inputs)):
+                host[:self.batch].copy_(out, non_blocking=True)
 
-    def launch(self, index: int, values: list[np.ndarray], rows: int) -> None:
-        """``values`` of ``rows`` rows each into buffer set ``index``, and its graph's replay."""
-        set_ = self.mirrors[index]
-        set_.write(values, rows, self.batch)
-        self.graphs[index].replay()
-        set_.done.record(torch.cuda.current_stream(self.device))
-
-    def wait(self, index: int, rows: int) -> list[np.ndarray]:
-        """The first ``rows`` rows of the outputs of the call launched on set ``index`` (copies, made under the GIL:
-        the buffers are the next call's)."""
-        set_ = self.mirrors[index]
-        set_.done.synchronize()
-        return [copy_rows(out, rows) for out in set_.host_out]
-
-    def run(self, values: list[np.ndarray], rows: int, index: int = 0) -> list[np.ndarray]:
-        """:meth:`launch`, then :meth:`wait` (the caller holds set ``index``)."""
-        self.launch(index, values, rows)
-        return self.wait(index, rows)
+    def run(self, values: list[np.ndarray], rows: int) -> list[np.ndarray]:
+        """The first ``rows`` rows of the outputs (copies, made under the GIL: the buffers are the next call's) for
+        ``values`` of ``rows`` rows each."""
+        self.mirrors.write(values, rows, self.batch)
+        self.graph.replay()
+        torch.cuda.current_stream(self.device).synchronize()
+        return [copy_rows(out, rows) for out in self.mirrors.host_out]
 
 
 class CacheRows:

@@ -9,10 +9,8 @@ fused into Triton kernels, cuDNN convolutions), behind the same bookkeeping and 
 * **CUDA graphs**: :meth:`CompiledBackend.warmup` compiles, runs and captures every shape a stream meets: the stream
   step (at each of :data:`STEP_SIZES`, or in fp32 one window of 24 frames for all of them), the final step (a window
   of 28 frames: a stream's last push is one F0 call and one final call) and the F0 step (every size up to 25 frames,
-  and :data:`F0_SIZES_PAST_THE_STEP`), each at every batch size; a call is the host's writes into pinned buffers and
-  one replay, then one wait. Asked by :data:`LAUNCH_AHEAD_ENV` (an experiment until it is measured on a GPU), each
-  shape is captured twice, over two sets of pinned buffers, and the next call can be launched before the wait
-  (``EngineTraits.launches_ahead``).
+  and :data:`F0_SIZES_PAST_THE_STEP`), each at every batch size; a call is the host's writes into pinned buffers, one
+  replay and one wait.
 * **Precision** (``fp32``: TF32 off, parity; ``tf32``; ``fp16``: the convolution trunk in half precision, the source,
   STFT, phase and iSTFT head in float32). The F0 step runs in the export's F0 precision (float64 by default).
 
@@ -44,7 +42,7 @@ from hift_runtime.noise import NoiseTable
 from hift_runtime.options import OFFLINE_SLOTS, PRECISIONS, CompiledOptions
 from hift_runtime.process_tuning import HANDOFF_SWITCH_INTERVAL_S, switch_interval_at_most
 
-from .capture import BufferSets, CacheRows, CapturedCall, HostMirrors
+from .capture import CacheRows, CapturedCall, HostMirrors
 from .compile_workers import compile_units, compiles_side_by_side, precompile, workers_device_bytes
 from .cudnn import (HEURISTIC_MODE_B_ENV, ChoosingThreads, cudnn_threads_for_memory, heuristic_mode_b_asked,
                     use_heuristic_mode_b)
@@ -70,14 +68,6 @@ F0_SIZES_PAST_THE_STEP = (26, 38, 50, 76, 100)
 CONV_LAYOUT = {"fp32": "channels-first", "tf32": "channels-first", "fp16": "channels-last"}
 # Where the stream step is one graph over its window (BENCHMARKS.md, decision log: fp32 only).
 STEP_WINDOW = {"fp32": True, "tf32": False, "fp16": False}
-# "1": two buffer sets per captured shape, and a call launched behind the one on the device before its wait
-# (EngineTraits.launches_ahead): unlisted while it is measured on a GPU (BENCHMARKS.md).
-LAUNCH_AHEAD_ENV = "HIFT_LAUNCH_AHEAD"
-
-
-def launch_ahead_asked() -> bool:
-    """Whether :data:`LAUNCH_AHEAD_ENV` asks for launching ahead."""
-    return os.environ.get(LAUNCH_AHEAD_ENV, "").strip().lower() in ("1", "on", "true", "yes")
 
 
 def cuda_available() -> bool:
@@ -142,8 +132,7 @@ class CompiledBackend:
         self.traits = EngineTraits(step_sizes=self.step_sizes, f0_step_sizes=self.f0_step_sizes,
                                    step_window=self.step_window_frames, final_window=self.final_window_frames,
                                    caches_in_place=True, f0_caches_in_place=True, noise_positions=True,
-                                   calls_from_any_thread=True, inline_lone_calls=self.cuda_graphs,
-                                   launches_ahead=self.cuda_graphs and launch_ahead_asked())
+                                   calls_from_any_thread=True, inline_lone_calls=self.cuda_graphs)
         self.name = f"compiled[{self.device.type}:{precision}]" if self.compiled else f"torch[{self.device.type}]"
         self.generator, self.predictor = load_folded(manifest, self.device)
         if self.conv_layout == "channels-last":
@@ -156,11 +145,9 @@ class CompiledBackend:
         # stream, read and emptied by the one calling the device; a set's add and discard are atomic.)
         self._f0_fresh: set[int] = set()
         self._table: torch.Tensor | None = None
-        self._lock = threading.Lock()  # one eager call, or one launch, at a time
+        self._lock = threading.Lock()  # one eager call, or one replay, at a time
         self._graphs: dict[tuple[str, int, int], CapturedCall] = {}
-        # (kind, frames, set) -> its pinned host buffers, each set used by one call at a time (_buffer_sets)
-        self._mirrors: dict[tuple[str, int, int], HostMirrors] = {}
-        self._buffer_sets = BufferSets(2 if self.traits.launches_ahead else 1)
+        self._mirrors: dict[tuple[str, int], HostMirrors] = {}  # (kind, frames) -> its pinned host buffers
         self._graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         self._compiled = self._compiled_forms() if self.compiled else {"generator": self._step, "final": self._final,
                                                                        "f0": self._f0}
@@ -287,33 +274,18 @@ class CompiledBackend:
             torch.backends.cuda.matmul.allow_tf32 = matmul
 
     def f0_step(self, mel: np.ndarray, caches: Any) -> tuple[np.ndarray, Any]:
-        return self.f0_launch(mel, caches)()
-
-    def f0_launch(self, mel: np.ndarray, caches: Any) -> Callable[[], tuple[np.ndarray, Any]]:
-        """:meth:`f0_step` started: the function that waits for its result."""
         slots = caches if isinstance(caches, list) else [caches]
         rows = mel.shape[0]
         fresh = self._f0_fresh
         values = [mel, np.array([[s.index in fresh] for s in slots]), np.array([s.index for s in slots], np.int64)]
         size = mel.shape[2] - self.constants.f0_look_ahead
-        wait = self._launch("f0", size, values, rows, self._f0)
-
-        def result() -> tuple[np.ndarray, Any]:
-            f0 = wait()[0]
-            fresh.difference_update(s.index for s in slots)  # written now
-            return f0, caches  # the next caches are in the same slots
-
-        return result
+        out = self._call("f0", size, values, rows, self._f0)
+        fresh.difference_update(s.index for s in slots)  # written now
+        return out[0], caches  # the next caches are in the same slots
 
     def generator_step(self, mel: np.ndarray, f0: np.ndarray, noise: np.ndarray, phase_in: np.ndarray,
                        first: np.ndarray, caches: Any, final: bool, frames: np.ndarray | None = None
                        ) -> tuple[np.ndarray, np.ndarray, Any]:
-        return self.generator_launch(mel, f0, noise, phase_in, first, caches, final, frames)()
-
-    def generator_launch(self, mel: np.ndarray, f0: np.ndarray, noise: np.ndarray, phase_in: np.ndarray,
-                         first: np.ndarray, caches: Any, final: bool, frames: np.ndarray | None = None
-                         ) -> Callable[[], tuple[np.ndarray, np.ndarray, Any]]:
-        """:meth:`generator_step` started: the function that waits for its result."""
         if self._table is None:
             raise RuntimeError("the compiled engine has no noise table: it is set by StreamingVocoder "
                                "(use_noise_table)")
@@ -325,13 +297,8 @@ class CompiledBackend:
             values.append(frames.reshape(rows).astype(np.int64, copy=False))
         size = f0.shape[1] - (0 if final else self.constants.source_look_ahead)
         kind = "final" if final else "generator"
-        wait = self._launch(kind, size, values, rows, self._final if final else self._step)
-
-        def result() -> tuple[np.ndarray, np.ndarray, Any]:
-            audio, phase = wait()
-            return audio, phase, (None if final else caches)  # the next caches are in the same slots
-
-        return result
+        audio, phase = self._call(kind, size, values, rows, self._final if final else self._step)
+        return audio, phase, (None if final else caches)  # the next caches are in the same slots
 
     def captured(self, kind: str, size: int, batch: int) -> CapturedCall | None:
         """The CUDA graph warmup captured for step ``kind`` x ``size`` frames at ``batch`` streams (None: not captured)."""
@@ -342,33 +309,17 @@ class CompiledBackend:
         :meth:`zero_inputs`-shaped tensors (what a profiler times)."""
         return self._compiled[kind]
 
-    def _launch(self, kind: str, size: int, values: list[np.ndarray], rows: int,
-                eager: Callable[..., tuple[torch.Tensor, ...]]) -> Callable[[], list[np.ndarray]]:
-        """A call of step ``kind`` x ``size`` over ``rows`` streams, started: its captured graph's replay on a free
-        buffer set where warmup captured the shape (padded to the batch it was captured at), else the eager step
-        (done); the function that waits for its outputs (once)."""
-        graph = self._graphs.get((kind, size, padded_batch(rows, self.batch_sizes)))
-        if graph is None:
-            with self._lock, self.precision_scope():
+    def _call(self, kind: str, size: int, values: list[np.ndarray], rows: int,
+              eager: Callable[..., tuple[torch.Tensor, ...]]) -> list[np.ndarray]:
+        """A call of step ``kind`` x ``size`` over ``rows`` streams: its captured graph's replay where warmup
+        captured the shape (padded to the batch it was captured at), else the eager step."""
+        with self._lock:
+            graph = self._graphs.get((kind, size, padded_batch(rows, self.batch_sizes)))
+            if graph is not None:
+                return graph.run(values, rows)
+            with self.precision_scope():
                 tensors = (torch.from_numpy(np.ascontiguousarray(v)).to(self.device) for v in values)
-                done = [t.cpu().numpy() for t in eager(*tensors)]
-            return lambda: done
-        shape = (kind, size)
-        index = self._buffer_sets.take(shape)
-        try:
-            with self._lock:
-                graph.launch(index, values, rows)
-        except BaseException:
-            self._buffer_sets.give_back(shape, index)
-            raise
-
-        def wait() -> list[np.ndarray]:
-            try:
-                return graph.wait(index, rows)
-            finally:
-                self._buffer_sets.give_back(shape, index)
-
-        return wait
+                return [t.cpu().numpy() for t in eager(*tensors)]
 
     # ---- warmup: compile and capture every shape a stream meets ------------------------------------------------------
     def warmup(self, step_sizes: tuple[int, ...] | None, progress: Callable[[str], None] | None = None) -> None:
@@ -429,7 +380,7 @@ class CompiledBackend:
             if self.cuda_graphs:
                 self._graphs[(kind, size, batch)] = threads.run((kind, size, batch), lambda: CapturedCall(
                     fn, self._example(kind, size, batch), self._graph_pool,
-                    functools.partial(self._mirrors_of, kind, size), self._buffer_sets.count))
+                    functools.partial(self._mirrors_of, kind, size)))
             else:
                 threads.run((kind, size, batch), lambda: fn(*self._example(kind, size, batch)))
             self.warmup_seconds[f"{kind}:{size}x{batch}"] = round(time.perf_counter() - shape_started, 3)
@@ -507,13 +458,13 @@ class CompiledBackend:
             mark_batch_dynamic(example)
         return example
 
-    def _mirrors_of(self, kind: str, size: int, inputs: list[torch.Tensor], outputs: tuple[torch.Tensor, ...],
-                    index: int) -> HostMirrors:
-        """Buffer set ``index`` of the host buffers shared by the graphs of one step shape (made for the largest
-        batch at its first capture)."""
-        if (kind, size, index) not in self._mirrors:
-            self._mirrors[(kind, size, index)] = HostMirrors(inputs, outputs, max(self.batch_sizes))
-        return self._mirrors[(kind, size, index)]
+    def _mirrors_of(self, kind: str, size: int, inputs: list[torch.Tensor],
+                    outputs: tuple[torch.Tensor, ...]) -> HostMirrors:
+        """The host buffers shared by the graphs of one step shape (made for the largest batch at its first
+        capture)."""
+        if (kind, size) not in self._mirrors:
+            self._mirrors[(kind, size)] = HostMirrors(inputs, outputs, max(self.batch_sizes))
+        return self._mirrors[(kind, size)]
 
     def zero_inputs(self, kind: str, size: int, batch: int) -> list[torch.Tensor]:
         """Inputs of a step of ``size`` frames for ``batch`` streams at the utterance start, every row on scratch."""

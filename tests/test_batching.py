@@ -11,7 +11,6 @@ import pytest
 
 from hift_runtime import MelError, OverloadError, StreamError, open_vocoder
 from hift_runtime.batching import SchedulerClosed
-from hift_runtime.engine import EngineTraits
 
 from .conftest import holds_just_its_values, max_abs, run_in_threads
 from .test_hardening import FaultyBackend
@@ -48,86 +47,25 @@ def test_concurrent_streams_through_the_batcher_equal_each_alone(small_artifacts
     assert batched.open_streams == 0
 
 
-def queued_streams_equal_alone(batched, alone, seed: int, n: int = 6) -> float:
-    """``n`` streams of random lengths and chunks through ``batched`` with any group queued behind the call on the
-    device (``queue_behind`` 1; the default is a quarter of max_batch), each equal to its solo run; the wall
-    seconds they took."""
-    batched.scheduler.queue_behind = 1
-    rng = np.random.default_rng(seed)
-    mels = [random_mel(int(rng.integers(40, 90)), seed=10 * seed + i) for i in range(n)]
-    schedules = [[int(x) for x in rng.integers(1, 30, 5)] + [500] for _ in range(n)]
-    delays = rng.random(n) * 0.02
-    expected = [run_stream(alone, m, s) for m, s in zip(mels, schedules)]
-    started = time.perf_counter()
-    results = run_in_threads(lambda i: run_stream(batched, mels[i], schedules[i], delays[i]), range(n))
-    wall = time.perf_counter() - started
-    for i in range(n):
-        assert max_abs(results[i], expected[i]) <= 1e-6, i  # as above: float32 noise of batched convolutions
-    return wall
-
-
 def test_calls_queued_behind_the_device_keep_every_stream_exact(small_artifacts, alone):
     """A group ready when a call lands starts behind the next one, on the device thread's queue (no scheduler wake-up
     between them); the streams still equal their solo runs."""
     batched = open_vocoder(small_artifacts.out, device="cpu", batching=True, max_wait_ms=2)
     batched.scheduler.backend = slow = FaultyBackend(batched.scheduler.backend)
     slow.delay = 0.004  # a device call long enough for groups to form behind it
-    queued_streams_equal_alone(batched, alone, seed=5)
+    batched.scheduler.queue_behind = 1  # any group (the default: a quarter of max_batch)
+    rng = np.random.default_rng(5)
+    n = 6
+    mels = [random_mel(int(rng.integers(40, 90)), seed=60 + i) for i in range(n)]
+    schedules = [[int(x) for x in rng.integers(1, 30, 5)] + [500] for _ in range(n)]
+    delays = rng.random(n) * 0.02
+    expected = [run_stream(alone, m, s) for m, s in zip(mels, schedules)]
+    results = run_in_threads(lambda i: run_stream(batched, mels[i], schedules[i], delays[i]), range(n))
+    for i in range(n):
+        assert max_abs(results[i], expected[i]) <= 1e-6, i  # as above: float32 noise of batched convolutions
     assert batched.scheduler.stats.queued > 0
     assert batched.open_streams == 0
     batched.close()
-
-
-class LaunchingBackend(FaultyBackend):
-    """An engine that launches ahead (``EngineTraits.launches_ahead``): a call computes at its launch, and its wait
-    takes ``delay`` s (the device's time); both are logged, in order, with the call's number."""
-
-    def __init__(self, inner) -> None:
-        super().__init__(inner)
-        self.traits = EngineTraits(launches_ahead=True)
-        self.log: list[tuple[str, int]] = []
-        self._lock = threading.Lock()
-
-    def _launched(self, result):
-        with self._lock:
-            number = sum(what == "launch" for what, _ in self.log)
-            self.log.append(("launch", number))
-
-        def wait():
-            time.sleep(self.delay)
-            with self._lock:
-                self.log.append(("wait", number))
-            return result
-
-        return wait
-
-    def f0_launch(self, mel, caches):
-        return self._launched(self.inner.f0_step(mel, caches))
-
-    def generator_launch(self, mel, f0, noise, phase_in, first, caches, final):
-        return self._launched(self.inner.generator_step(mel, f0, noise, phase_in, first, caches, final))
-
-
-@pytest.mark.parametrize("ahead", [False, True])
-def test_calls_launched_ahead_keep_every_stream_exact(small_artifacts, alone, ahead):
-    """On an engine that launches ahead, a call queued behind the one on the device is launched before that one is
-    waited for (two on the device at most, waited for in launch order); the streams still equal their solo runs,
-    and the busy seconds count the device's time once."""
-    batched = open_vocoder(small_artifacts.out, device="cpu", batching=True, max_wait_ms=2)
-    batched.scheduler.backend = launching = LaunchingBackend(batched.scheduler.backend)
-    launching.delay = 0.004
-    batched.scheduler.launch_ahead = ahead
-    wall = queued_streams_equal_alone(batched, alone, seed=7)
-    batched.close()
-    log = launching.log
-    assert [number for what, number in log if what == "wait"] == sorted(number for what, number in log
-                                                                         if what == "launch")
-    on_device, most = 0, 0
-    for what, _ in log:
-        on_device += 1 if what == "launch" else -1
-        most = max(most, on_device)
-    assert most == (2 if ahead else 1)
-    assert batched.scheduler.stats.busy_s <= wall
 
 
 def test_a_bad_chunk_is_refused_for_its_stream_only(small_artifacts, alone, request):

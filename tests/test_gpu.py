@@ -338,7 +338,7 @@ def test_compiled_streams_match_the_cpu_ep(small_artifacts, compiled_gpu):
     mode B, the step window): each stream equals the CPU EP's stream within the ORT CUDA EP's bar, and 64 concurrent
     streams each equal their solo run on the engine (the solo runs' quiet pushes made in the scheduling thread:
     inline_lone_calls is on over CUDA graphs). The concurrent streams queue any group behind the call on the device
-    (queue_behind 1); with HIFT_LAUNCH_AHEAD=1 each is launched before the wait for the one ahead of it."""
+    (queue_behind 1)."""
     from hift_torch.compiled import compile_count
 
     assert compiled_gpu.backend.name == "compiled[cuda:fp32]"
@@ -348,10 +348,7 @@ def test_compiled_streams_match_the_cpu_ep(small_artifacts, compiled_gpu):
     rng = np.random.default_rng(64)
     mels = [random_mel(int(rng.integers(10, 160)), seed=i) for i in range(64)]
     schedules = [[int(x) for x in rng.integers(0, 40, 8)] + [500] for _ in range(64)]
-    from hift_torch.compiled import launch_ahead_asked
-
     scheduler = compiled_gpu.scheduler
-    assert scheduler.launch_ahead and compiled_gpu.backend.traits.launches_ahead == launch_ahead_asked()
     queue_behind, scheduler.queue_behind = scheduler.queue_behind, 1
     queued = scheduler.stats.queued
     try:
