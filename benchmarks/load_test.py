@@ -98,6 +98,7 @@ class _Served(_ServerUrls):
         import sys
 
         from hift_runtime.client import ServerClient
+        from hift_runtime.server_processes import cudnn_threads_share
 
         self.log = log
         env = dict(os.environ)
@@ -123,6 +124,8 @@ class _Served(_ServerUrls):
                  "--max-batch", str(max_batch), "--max-wait-ms", str(wait_ms),
                  "--engine", engine, "--precision", precision, "--state-metrics-port", str(ports[3]),
                  *(["--max-streams", str(max_streams)] if max_streams else []),
+                 # as hift-serve --processes N starts its processes: their warmups share the GPU's memory
+                 *(["--cudnn-threads", str(cudnn_threads_share(processes))] if processes > 1 and not stand_in else []),
                  *(["--audio-pieces"] if pieces else []), "--reply-threads", str(reply_threads),
                  *(["--pieces-ahead-ms", str(pieces_ahead_ms)] if pieces_ahead_ms is not None else [])],
                 stdout=server_log.open("w"), stderr=subprocess.STDOUT, env=env))

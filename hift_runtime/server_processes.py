@@ -45,11 +45,17 @@ def process_argv(args: argparse.Namespace, argv: list[str], i: int, processes: i
         own += [option, str(port_of(args, option, i))]
     if args.max_streams is not None:
         own += ["--max-streams", str(-(-args.max_streams // processes))]
-    if args.cudnn_threads is None and processes > 1:  # the warmups run at once on the GPU: each its share of memory
-        own += ["--cudnn-threads", str(max(1, MAX_CUDNN_THREADS // processes))]
+    if args.cudnn_threads is None and processes > 1:
+        own += ["--cudnn-threads", str(cudnn_threads_share(processes))]
     if args.triton_log:
         own += ["--triton-log", f"{args.triton_log}.{i}"]
     return [*argv, *own]
+
+
+def cudnn_threads_share(processes: int) -> int:
+    """Each of ``processes`` server processes' cuDNN choosing threads at warmup: their warmups run at once on the
+    GPU, each in its share of the device memory."""
+    return max(1, MAX_CUDNN_THREADS // processes)
 
 
 def ports_of(args: argparse.Namespace, processes: int) -> dict[str, int]:
