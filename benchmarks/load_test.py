@@ -98,7 +98,6 @@ class _Served(_ServerUrls):
         import sys
 
         from hift_runtime.client import ServerClient
-        from hift_runtime.server_processes import cudnn_threads_share
 
         self.log = log
         env = dict(os.environ)
@@ -109,6 +108,9 @@ class _Served(_ServerUrls):
         self.metrics_urls: list[str] = []
         self.state_urls: list[str] = []
         self.grpc_urls: list[str] = []
+        deadline = time.monotonic() + 900  # a cold compile of the compiled engine takes minutes
+        # One after another, as hift-serve --processes N starts them: each warmup finds the device memory the ones
+        # before left free.
         for n in range(processes):
             ports = []
             for _ in range(4):
@@ -124,18 +126,14 @@ class _Served(_ServerUrls):
                  "--max-batch", str(max_batch), "--max-wait-ms", str(wait_ms),
                  "--engine", engine, "--precision", precision, "--state-metrics-port", str(ports[3]),
                  *(["--max-streams", str(max_streams)] if max_streams else []),
-                 # as hift-serve --processes N starts its processes: their warmups share the GPU's memory
-                 *(["--cudnn-threads", str(cudnn_threads_share(processes))] if processes > 1 and not stand_in else []),
                  *(["--audio-pieces"] if pieces else []), "--reply-threads", str(reply_threads),
                  *(["--pieces-ahead-ms", str(pieces_ahead_ms)] if pieces_ahead_ms is not None else [])],
                 stdout=server_log.open("w"), stderr=subprocess.STDOUT, env=env))
             self.metrics_urls.append(f"http://127.0.0.1:{ports[2]}/metrics")
             self.state_urls.append(f"http://127.0.0.1:{ports[3]}/metrics")
             self.grpc_urls.append(f"127.0.0.1:{ports[1]}")
-        deadline = time.monotonic() + 900  # a cold compile of the compiled engine takes minutes
-        for process, server_log in zip(self.processes, self.logs):
             while "' ready (" not in server_log.read_text():  # hift-serve's "model 'hift' ready (...)" line
-                if process.poll() is not None or time.monotonic() > deadline:
+                if self.processes[-1].poll() is not None or time.monotonic() > deadline:
                     self.close()  # none left holding its ports
                     raise RuntimeError("hift-serve did not start: " + server_log.read_text()[-2000:])
                 time.sleep(0.5)

@@ -19,8 +19,7 @@ MAX_DEFAULT_STREAMS = 4096
 # Batch sizes captured for cross-stream batching on the GPU: every 1.5x between 32 and 256, since a batch pads to
 # the next size and a batched step costs about in proportion to its padded size.
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
-# The most threads the compiled engine's warmup chooses cuDNN's algorithms in (BENCHMARKS.md, decision log); several
-# server processes on one GPU share them.
+# The most threads the compiled engine's warmup chooses cuDNN's algorithms in (BENCHMARKS.md, decision log).
 MAX_CUDNN_THREADS = 8
 
 

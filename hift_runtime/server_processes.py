@@ -8,9 +8,10 @@ shard streams by id over the processes' gRPC addresses (``ShardedClient``, or a 
 ``hift-stream-id`` header), as they do over several hosts.
 
 Process ``i`` listens on every port given plus ``i * PORT_STRIDE`` (defaults: 8000-8003, 8010-8013, ...), opens at
-most ``ceil(max_streams / N)`` streams, chooses cuDNN's algorithms at warmup in its share of the threads
-(``MAX_CUDNN_THREADS // N``: their warmups run at once on the GPU), and writes Triton's log to
-``--triton-log`` with ``.i`` appended. A process that dies once all were ready is started again (its streams are
+most ``ceil(max_streams / N)`` streams, and writes Triton's log to ``--triton-log`` with ``.i`` appended. The
+processes start one after another, each once the one before is ready: a warmup sizes its work by the device memory
+it finds free (two at once each found all of it and ran an 80 GB GPU out), and the later ones load the first one's
+compiles from inductor's cache. A process that dies once all were ready is started again (its streams are
 lost; the others' go on); every process, its Triton and its model process die with this supervisor.
 """
 
@@ -24,7 +25,6 @@ import time
 from typing import Any
 
 from . import wire
-from .options import MAX_CUDNN_THREADS
 from .server_cli import busy_port
 from .supervision import dies_with_parent, stop_processes, stop_signals_recorded
 
@@ -45,17 +45,9 @@ def process_argv(args: argparse.Namespace, argv: list[str], i: int, processes: i
         own += [option, str(port_of(args, option, i))]
     if args.max_streams is not None:
         own += ["--max-streams", str(-(-args.max_streams // processes))]
-    if args.cudnn_threads is None and processes > 1:
-        own += ["--cudnn-threads", str(cudnn_threads_share(processes))]
     if args.triton_log:
         own += ["--triton-log", f"{args.triton_log}.{i}"]
     return [*argv, *own]
-
-
-def cudnn_threads_share(processes: int) -> int:
-    """Each of ``processes`` server processes' cuDNN choosing threads at warmup: their warmups run at once on the
-    GPU, each in its share of the device memory."""
-    return max(1, MAX_CUDNN_THREADS // processes)
 
 
 def ports_of(args: argparse.Namespace, processes: int) -> dict[str, int]:
@@ -70,8 +62,8 @@ MAX_RESTARTS = 5
 
 
 def serve_processes(args: argparse.Namespace, argv: list[str]) -> int:
-    """Start ``args.processes`` hift-serve processes, relay their lines (prefixed ``[i]``), say one ready line once
-    every one is ready, pass SIGTERM/Ctrl-C on. A process that dies after that is started again on its own ports
+    """Start ``args.processes`` hift-serve processes, each once the one before is ready, relay their lines (prefixed
+    ``[i]``), say one ready line once every one is ready, pass SIGTERM/Ctrl-C on. A process that dies after that is started again on its own ports
     (its streams are lost: their clients are refused; the other processes' streams go on); one that dies before it
     was ready stops every process, and its status is returned. Every process dies with this supervisor."""
     n = args.processes
@@ -91,10 +83,11 @@ def serve_processes(args: argparse.Namespace, argv: list[str]) -> int:
 
     try:
         with stop_signals_recorded() as stopping:
-            for i in range(n):
-                children.append(start(i))
+            children.append(start(0))
             announced, restarts, status = False, 0, 0
             while not stopping:
+                if len(children) < n and ready[len(children) - 1].is_set():
+                    children.append(start(len(children)))
                 dead = next((i for i, c in enumerate(children) if c.poll() is not None), None)
                 if dead is not None:
                     code = children[dead].returncode
@@ -131,10 +124,10 @@ def serve_processes(args: argparse.Namespace, argv: list[str]) -> int:
 def _relay(lines: Any, i: int, ready: threading.Event) -> None:
     """Process ``i``'s lines to this process's stdout, prefixed with its number; its ready line sets ``ready``."""
     for line in lines:
-        if "' ready (" in line:
-            ready.set()
         sys.stdout.write(f"[{i}] {line}")
         sys.stdout.flush()
+        if "' ready (" in line:  # (after its line: the next process's lines come after it)
+            ready.set()
 
 
 def processes_ready_line(args: argparse.Namespace, n: int) -> str:
