@@ -34,22 +34,25 @@ CHUNK, CHUNKS = 24, 40
 class InstantDevice:
     """The CUDA backend's interface with no device time: zeros out, caches as an opaque handle.
 
-    Its outputs are views of one buffer per shape, written once: a device's outputs arrive as written memory (the
-    copy out of the device, without the GIL), while a fresh ``np.zeros`` would be mapped lazily and page-faulted by
-    the first reader (the bookkeeping, holding the GIL): a cost the benchmark would invent."""
+    Its outputs are the first rows of one buffer per width, written once (grown to the next power of two of rows when
+    a call needs more): a device's outputs arrive as written memory (the copy out of the device, without the GIL),
+    while a fresh ``np.zeros`` would be mapped lazily and page-faulted by the first reader (the bookkeeping, holding
+    the GIL), and a buffer per exact shape, written at each batch size's first call, was a stand-in thread's
+    page-faulting the benchmark invented."""
 
     name = "instant"
     traits = EngineTraits()
 
     def __init__(self, constants) -> None:
         self.c = constants
-        self._buffers: dict[tuple[int, int], np.ndarray] = {}
+        self._buffers: dict[int, np.ndarray] = {}  # columns -> zeros of at least the rows asked so far
 
     def _zeros(self, rows: int, columns: int) -> np.ndarray:
-        buffer = self._buffers.get((rows, columns))
-        if buffer is None:
-            buffer = self._buffers[(rows, columns)] = np.full((rows, columns), 0.0, np.float32)  # written
-        return buffer
+        buffer = self._buffers.get(columns)
+        if buffer is None or buffer.shape[0] < rows:
+            size = 1 << (rows - 1).bit_length()
+            buffer = self._buffers[columns] = np.full((size, columns), 0.0, np.float32)  # written
+        return buffer[:rows]
 
     def new_caches(self, kind: str, batch: int = 1) -> Any:
         return object() if kind == "generator" else {s.name: s.zeros(batch) for s in self.c.f0_caches}
