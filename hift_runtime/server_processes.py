@@ -63,9 +63,10 @@ MAX_RESTARTS = 5
 
 def serve_processes(args: argparse.Namespace, argv: list[str]) -> int:
     """Start ``args.processes`` hift-serve processes, each once the one before is ready, relay their lines (prefixed
-    ``[i]``), say one ready line once every one is ready, pass SIGTERM/Ctrl-C on. A process that dies after that is started again on its own ports
-    (its streams are lost: their clients are refused; the other processes' streams go on); one that dies before it
-    was ready stops every process, and its status is returned. Every process dies with this supervisor."""
+    ``[i]``), say one ready line once every one is ready, pass SIGTERM/Ctrl-C on. A process that dies after that is
+    started again on its own ports (its streams are lost: their clients are refused; the other processes' streams go
+    on); one that dies before it was ready stops every process, and its status is returned. Every process dies with
+    this supervisor."""
     n = args.processes
     ready = [threading.Event() for _ in range(n)]
     children: list[subprocess.Popen] = []
