@@ -261,12 +261,13 @@ def _live_server(small_artifacts, tmp_path_factory, options: list[str], processe
     ready_line = "ready" if processes == 1 else f"ready in {processes} processes"
     with open(log, "w") as out:
         process = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, text=True)
-    deadline = time.monotonic() + 120
+    limit_s = 120 * processes  # the processes start one after another
+    deadline = time.monotonic() + limit_s
     while ready_line not in log.read_text() and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
     try:
         assert process.poll() is None, log.read_text()[-3000:]
-        assert ready_line in log.read_text(), "hift-serve did not become ready in 120 s: " + log.read_text()[-3000:]
+        assert ready_line in log.read_text(), f"hift-serve did not become ready in {limit_s} s: " + log.read_text()[-3000:]
         # The ready line comes only once the model answers ready (the endpoint a load balancer's probe uses).
         with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/models/hift_vocoder/ready", timeout=5) as ready:
             assert ready.status == 200
