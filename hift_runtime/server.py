@@ -33,7 +33,7 @@ PYTHON_BACKEND_OPENER: str | None = None
 
 def open_table(args: argparse.Namespace) -> tuple[StreamingVocoder, StreamTable]:
     """The vocoder and its stream table from hift-serve's options, warmed up (what the model process runs)."""
-    options = CompiledOptions(cudnn_threads=args.cudnn_threads) if args.engine == "compiled" else None
+    options = CompiledOptions() if args.engine == "compiled" else None
     vocoder = open_vocoder(args.artifacts, device=args.device, engine=args.engine, precision=args.precision,
                            options=options, devices=serving_gpus(args.gpus, args.device), max_streams=args.max_streams,
                            idle_timeout_s=args.idle_timeout_s, batching=True, max_batch=args.max_batch,

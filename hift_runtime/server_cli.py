@@ -66,8 +66,6 @@ def parser() -> argparse.ArgumentParser:
     # length sends each piece as it comes. Not listed while it is measured on a GPU.
     p.add_argument("--pieces-ahead-ms", type=float, default=150.0, help=argparse.SUPPRESS)
     p.add_argument("--triton-log", help="Triton's own log file (default: a file in the temp folder, path printed)")
-    # Set by the supervisor of --processes N for each process (its share of the warmup's threads), not by users.
-    p.add_argument("--cudnn-threads", type=int, default=None, help=argparse.SUPPRESS)
     return p
 
 
