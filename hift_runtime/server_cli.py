@@ -42,7 +42,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--processes", type=int, default=1,
                    help="server processes on this machine, each its own Triton and runtime on the same device(s), "
                         "process i on every port + 10 x i; clients shard streams by id over their gRPC addresses "
-                        "(default 1; on a GPU with the compiled engine use 2); a process that dies once all were "
+                        "(default 1; on a GPU with the compiled engine use 3); a process that dies once all were "
                         "ready is started again, its streams lost")
     p.add_argument("--max-streams", type=int, default=None,
                    help="open streams at most; a start beyond it is refused with an overload message (default: what "
