@@ -89,11 +89,10 @@ class _Served(_ServerUrls):
     def __init__(self, artifacts: str, device: str, max_batch: int, wait_ms: float, log: Path,
                  engine: str = "ort", precision: str = "fp32",
                  stand_in: list[str] | None = None, max_streams: int | None = None,
-                 processes: int = 1, pieces: bool = False, reply_threads: int = 1,
-                 pieces_ahead_ms: float | None = None) -> None:
+                 processes: int = 1, pieces: bool = False) -> None:
         """``stand_in``: options of ``modelled_server.py`` (hift-serve over a stand-in device) instead of the real
         server over the export's engine. ``max_streams``: each process's ``--max-streams``. ``pieces``: hift-serve
-        ``--audio-pieces``; ``reply_threads``, ``pieces_ahead_ms``: its ``--reply-threads``, ``--pieces-ahead-ms``."""
+        ``--audio-pieces``."""
         import socket
         import sys
 
@@ -126,8 +125,7 @@ class _Served(_ServerUrls):
                  "--max-batch", str(max_batch), "--max-wait-ms", str(wait_ms),
                  "--engine", engine, "--precision", precision, "--state-metrics-port", str(ports[3]),
                  *(["--max-streams", str(max_streams)] if max_streams else []),
-                 *(["--audio-pieces"] if pieces else []), "--reply-threads", str(reply_threads),
-                 *(["--pieces-ahead-ms", str(pieces_ahead_ms)] if pieces_ahead_ms is not None else [])],
+                 *(["--audio-pieces"] if pieces else [])],
                 stdout=server_log.open("w"), stderr=subprocess.STDOUT, env=env))
             self.metrics_urls.append(f"http://127.0.0.1:{ports[2]}/metrics")
             self.state_urls.append(f"http://127.0.0.1:{ports[3]}/metrics")
@@ -680,11 +678,6 @@ def main() -> None:
                    help="hift-serve --max-wait-ms (served config; also the modelled configs' step batcher wait)")
     p.add_argument("--served-audio-pieces", action="store_true",
                    help="hift-serve --audio-pieces (served config): each step's audio as it is made, timed as in process")
-    p.add_argument("--served-reply-threads", type=int, default=1,
-                   help="hift-serve --reply-threads (served config; default 1)")
-    p.add_argument("--served-pieces-ahead-ms", type=float, default=None,
-                   help="hift-serve --pieces-ahead-ms (served config with --served-audio-pieces; default: "
-                        "hift-serve's)")
     p.add_argument("--served-processes", type=int, default=1,
                    help="hift-serve processes sharing the device (served config): each stream goes to the one its id "
                         "picks, as ShardedClient does; --max-streams is shared out among them (default 1)")
@@ -752,8 +745,7 @@ def main() -> None:
             vocoder = _Served(args.artifacts, args.device, args.served_max_batch, args.served_wait_ms,
                               Path(args.out).with_suffix(".served.log"), args.engine, args.precision, stand_in,
                               args.max_streams and -(-args.max_streams // args.served_processes),
-                              args.served_processes, args.served_audio_pieces, args.served_reply_threads,
-                              args.served_pieces_ahead_ms)
+                              args.served_processes, args.served_audio_pieces)
         elif name.startswith("modelled"):  # the scheduler over a modelled H200 (host_path.ModelledDevice), any host
             from modelled_server import stand_in_vocoder
 
@@ -807,10 +799,6 @@ def main() -> None:
                                       "cudnn_threads": args.cudnn_threads,
                                       "engine": (f"hift-serve --engine {args.engine} --precision {args.precision}"
                                                  + (f" x {args.served_processes} processes" if args.served_processes > 1 else "")
-                                                 + (f", {args.served_reply_threads} reply threads"
-                                                    if args.served_reply_threads > 1 else "")
-                                                 + (f", pieces {args.served_pieces_ahead_ms:g} ms ahead"
-                                                    if args.served_pieces_ahead_ms is not None else "")
                                                  + (f"; {args.served_client_processes} client processes"
                                                     if args.served_client_processes > 1 else "")
                                                  if name == "served" else

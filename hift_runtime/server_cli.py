@@ -58,13 +58,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--audio-pieces", action="store_true",
                    help="answer each chunk with each step's audio as soon as it is made (a decoupled model: "
                         "gRPC streaming clients only; HTTP clients are refused)")
-    # An experiment while it is measured (BENCHMARKS.md): threads sending the replies, each request's through one of
-    # them in order; a send waits for tritonserver's answer, and more threads overlap those waits. Not listed.
-    p.add_argument("--reply-threads", type=int, default=1, help=argparse.SUPPRESS)
-    # With --audio-pieces: a request's pieces after its first are held until this many ms before a client playing from
-    # the first could reach them, then sent joined (fewer sends: BENCHMARKS.md, decision log); a value past a chunk's
-    # length sends each piece as it comes. Not listed while it is measured on a GPU.
-    p.add_argument("--pieces-ahead-ms", type=float, default=150.0, help=argparse.SUPPRESS)
     p.add_argument("--triton-log", help="Triton's own log file (default: a file in the temp folder, path printed)")
     return p
 
@@ -72,10 +65,8 @@ def parser() -> argparse.ArgumentParser:
 def invalid(args: argparse.Namespace) -> str | None:
     """What is wrong with the parsed options' values, in one line; None when nothing is."""
     if (args.max_batch < 1 or args.max_wait_ms < 0 or args.max_chunk_frames < 1 or args.processes < 1
-            or args.reply_threads < 1 or (args.max_streams is not None and args.max_streams < 1)
-            or args.pieces_ahead_ms < 0):
-        return ("--max-batch, --processes, --max-streams, --max-chunk-frames and --reply-threads must be >= 1, "
-                "--max-wait-ms and --pieces-ahead-ms >= 0")
+            or (args.max_streams is not None and args.max_streams < 1)):
+        return "--max-batch, --processes, --max-streams and --max-chunk-frames must be >= 1, --max-wait-ms >= 0"
     return None
 
 

@@ -65,6 +65,11 @@ def coalesce_pieces(replies: list[tuple[Any, ChunkReply, bool]]) -> list[tuple[A
             for sender, audio, final, reply in out]
 
 
+# With --audio-pieces, a request's pieces after its first are sent joined this long before a client playing from the
+# first could reach them: fewer sends (BENCHMARKS.md, decision log), yet within a chunk's first-audio bound.
+PIECES_AHEAD_S = 0.150
+
+
 class PiecePacer:
     """Holds a request's pieces after its first until ``ahead_s`` before a client that starts playing at the first
     one could reach them, then sends them joined: fewer sends for a long chunk, whose steps run faster than real
@@ -296,14 +301,10 @@ class TritonPythonModel:
         self.state_metrics = serve_state_metrics(self.table, options.state_metrics_port, options.host)
         self.rate = np.array([[self.vocoder.constants.sample_rate]], np.int32)
         self.pieces = options.audio_pieces
-        # One queue and thread per reply lane; a request keeps its lane, so its replies go out in order.
-        self._lanes: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(options.reply_threads)]
-        self._pieces_ahead_s = options.pieces_ahead_ms / 1e3
-        self._next_lane = 0
-        self._repliers = [threading.Thread(target=self._send_replies, args=(lane,), name=f"hift-replies-{n}",
-                                           daemon=True) for n, lane in enumerate(self._lanes)]
-        for replier in self._repliers:
-            replier.start()
+        # One replier thread sends every reply, so a request's replies go out in order.
+        self._replies: queue.SimpleQueue = queue.SimpleQueue()
+        self._replier = threading.Thread(target=self._send_replies, name="hift-replies", daemon=True)
+        self._replier.start()
 
     def execute(self, requests: list[Any]) -> None:
         """Hand the batch to the stream table and return: each request is answered through its response sender when
@@ -312,33 +313,30 @@ class TritonPythonModel:
         pb = self._pb
         chunks = [chunk_request({name: _input(pb, r, name) for name in wire.INPUTS}) for r in requests]
         senders = [r.get_response_sender() for r in requests]
-        lanes = []  # each request's reply lane, in turn
-        for _ in requests:
-            lanes.append(self._lanes[self._next_lane])
-            self._next_lane = (self._next_lane + 1) % len(self._lanes)
+        replies = self._replies
         if not self.pieces:
-            self.table.submit(chunks, lambda i, reply: lanes[i].put((senders[i], reply, True)))
+            self.table.submit(chunks, lambda i, reply: replies.put((senders[i], reply, True)))
             return None
         sent = [0] * len(requests)  # samples each request's pieces carried: its final reply carries the rest
 
         def piece(i: int, audio: np.ndarray) -> None:
             sent[i] += audio.shape[0]
-            lanes[i].put((senders[i], ChunkReply(audio), False))
+            replies.put((senders[i], ChunkReply(audio), False))
 
         def reply(i: int, done: ChunkReply) -> None:
-            lanes[i].put((senders[i], ChunkReply(done.audio[sent[i]:], done.error), True))
+            replies.put((senders[i], ChunkReply(done.audio[sent[i]:], done.error), True))
 
         self.table.submit(chunks, reply, piece)
         return None
 
-    def _send_replies(self, lane: queue.SimpleQueue) -> None:
-        """A replier thread (``--reply-threads``), sending its lane's replies: a send is a blocking round trip to
-        tritonserver, kept off the table's event loop (on it, sends took a fifth of the stub's time at K = 384 on two
-        cores and stalled the pushes behind them). What queued up while it sent goes out together, each request's
-        waiting pieces as one (:func:`coalesce_pieces`); a request's pieces after its first wait until they are due
-        (:class:`PiecePacer`, ``--pieces-ahead-ms``)."""
-        pb = self._pb
-        pacer = PiecePacer(int(self.rate[0, 0]), self._pieces_ahead_s) if self.pieces else None
+    def _send_replies(self) -> None:
+        """The replier thread, sending the replies: a send is a blocking round trip to tritonserver, kept off the
+        table's event loop (on it, sends took a fifth of the stub's time at K = 384 on two cores and stalled the
+        pushes behind them). What queued up while it sent goes out together, each request's waiting pieces as one
+        (:func:`coalesce_pieces`); a request's pieces after its first wait until they are due (:class:`PiecePacer`,
+        :data:`PIECES_AHEAD_S`)."""
+        pb, lane = self._pb, self._replies
+        pacer = PiecePacer(int(self.rate[0, 0]), PIECES_AHEAD_S) if self.pieces else None
         stopping = False
         while not stopping:
             try:
@@ -369,10 +367,8 @@ class TritonPythonModel:
                     log.exception("a reply could not be sent")
 
     def finalize(self) -> None:
-        for lane in self._lanes:
-            lane.put(None)
-        for replier in self._repliers:
-            replier.join(timeout=30)
+        self._replies.put(None)
+        self._replier.join(timeout=30)
         self.state_metrics.shutdown()
         self.table.close()
         self.vocoder.close()

@@ -566,7 +566,7 @@ def test_pieces_that_queued_up_for_one_request_go_out_as_one_with_its_final_repl
 
 
 def test_a_pacer_sends_first_pieces_and_finals_at_once_and_holds_the_rest_until_due():
-    """``--pieces-ahead-ms``: a request's first piece goes at once; later ones wait until ``ahead_s`` before a client
+    """:class:`PiecePacer`: a request's first piece goes at once; later ones wait until ``ahead_s`` before a client
     playing from the first could reach them, then go joined; the final reply carries what is held (after it, when
     the final is an error). The audio and its order are unchanged."""
     from hift_runtime.serving import ChunkReply
@@ -729,8 +729,7 @@ def test_a_missing_export_is_said_before_a_busy_port(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def pieces_server(small_artifacts, tmp_path_factory):
-    # Two reply threads: each request's pieces and final reply still arrive in order (the test below).
-    yield from _live_server(small_artifacts, tmp_path_factory, ["--audio-pieces", "--reply-threads", "2"])
+    yield from _live_server(small_artifacts, tmp_path_factory, ["--audio-pieces"])
 
 
 def test_a_pieces_server_sends_each_steps_audio_as_it_is_made(pieces_server, vocoder):
