@@ -734,6 +734,9 @@ def main() -> None:
     # Each K runs under every (switch interval, queue_behind, scheduler) variant, one after the other, on the same
     # open vocoder.
     variants = [(ms, qb, d) for ms in intervals_ms for qb in queue_behinds for d in drivers]
+    if args.served_client_processes > 1 and (args.clients != "asyncio" or "served" not in args.configs.split(",")):
+        p.error("--served-client-processes deals the served config's streams to asyncio clients: it needs "
+                "--configs served and --clients asyncio")
     if args.cudnn_threads and (args.engine != "compiled" or "served" in args.configs):
         p.error("--cudnn-threads is for the compiled engine in process (hift-serve runs the engine's defaults)")
     for name in args.configs.split(","):
