@@ -21,7 +21,6 @@ from . import wire
 from .gpus import nvidia_driver_present, visible_gpus
 from .manifest import ArtifactError
 from .opening import open_vocoder
-from .options import CompiledOptions
 from .server_cli import busy_port, invalid, local_http_url, parser
 from .serving import StreamTable
 from .streaming import StreamingVocoder
@@ -33,9 +32,8 @@ PYTHON_BACKEND_OPENER: str | None = None
 
 def open_table(args: argparse.Namespace) -> tuple[StreamingVocoder, StreamTable]:
     """The vocoder and its stream table from hift-serve's options, warmed up (what the model process runs)."""
-    options = CompiledOptions() if args.engine == "compiled" else None
     vocoder = open_vocoder(args.artifacts, device=args.device, engine=args.engine, precision=args.precision,
-                           options=options, devices=serving_gpus(args.gpus, args.device), max_streams=args.max_streams,
+                           devices=serving_gpus(args.gpus, args.device), max_streams=args.max_streams,
                            idle_timeout_s=args.idle_timeout_s, batching=True, max_batch=args.max_batch,
                            max_wait_ms=args.max_wait_ms, noise_seed=args.noise_seed, phase=args.phase)
     if vocoder.max_streams is None:  # nothing a client sends may grow the server without bound
