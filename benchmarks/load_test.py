@@ -474,6 +474,7 @@ def run_k(vocoder, k: int, seconds: float, clients: str = "threads", collections
         return getattr(stats, "queued", 0), getattr(stats, "max_batch", 1)
 
     queued_before = queued_and_largest()[0]
+    launched_before = getattr(stats, "launched_ahead", 0)
     triton_before = vocoder.batches() if isinstance(vocoder, _Served) else None
     collections_before = vocoder.full_collections()[0] if isinstance(vocoder, _Served) else 0.0
     if collections is not None:  # this process's garbage collections (hift_runtime.process_tuning.CollectionPauses)
@@ -523,6 +524,7 @@ def run_k(vocoder, k: int, seconds: float, clients: str = "threads", collections
             "refused_streams": rec.refused, "streams_served": len(first),
             "gpu_memory_mb": gpu_memory_mb(), "max_batch": largest,
             "queued_batches": queued_after - queued_before,  # started behind another on the device
+            "launched_ahead_batches": getattr(stats, "launched_ahead", 0) - launched_before,  # in process
             "gc_full_collections": full - collections_before, "gc_full_collection_max_ms": round(longest_ms, 1),
             **({"batcher_this_run": this_run} if this_run is not None else {}),
             **({"triton_total": served, "triton_this_run": triton_this_run(triton_before or {}, served)}

@@ -14,7 +14,9 @@ a chunk's first piece). While that call runs on the device, the scheduler hands 
 advances those pushes to their next calls and takes in new pushes, so the device waits for Python only when there is
 nothing to run. The group grows with the load by itself: every push that arrives while a call runs can join the next.
 The scheduler stacks a group's inputs as it launches it, so the device thread only makes calls and the device waits
-for no stacking between two of them.
+for no stacking between two of them. On an engine that ``launches_ahead`` the scheduler launches the call itself
+(host writes and replay), the one behind a call still on the device included, and the device thread only waits for
+each call and hands its results on: the device runs one call while the host launches the next.
 
 An application whose streams are tasks of one event loop can let that loop's thread do the scheduling instead
 (:meth:`PushScheduler.attach_loop`): one thread fewer trading the GIL at every NumPy call.
@@ -50,7 +52,8 @@ from typing import Any
 
 import numpy as np
 
-from .engine import CancelToken, StackedCalls, StepCall, VocoderBackend, run_stacked, stack_calls
+from .engine import (CancelToken, LaunchedStep, StackedCalls, StepCall, VocoderBackend, launch_stacked, run_stacked,
+                     split_rows, stack_calls)
 from .errors import PushCancelled, SchedulerClosed
 
 __all__ = ["BatchStats", "PushScheduler", "SchedulerClosed"]
@@ -66,6 +69,7 @@ class BatchStats:
     max_batch: int = 0
     busy_s: float = 0.0  # time inside the backend's calls (the device's utilisation over a run; two at once overlap)
     queued: int = 0  # batches started behind another still on the device (no scheduler wake-up between the two)
+    launched_ahead: int = 0  # of those, launched by the scheduler while the other was on the device (launches_ahead)
     by_kind: dict[str, list[float]] = field(default_factory=dict)  # kind -> [calls, batches, busy seconds]
     # The same by step shape, "kind@mel frames" (the step's frames plus its look-ahead): what each step size costs
     # the device, e.g. a stream's short edge steps against its full ones.
@@ -132,6 +136,8 @@ class PushScheduler:
         self._wakers: weakref.WeakKeyDictionary[Any, _LoopWaker] = weakref.WeakKeyDictionary()  # one per loop
         # The batched calls run here, so the scheduler thread keeps Python work going while the device computes.
         self._device = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hift-batch-call")
+        self.launches_ahead = backend.traits.launches_ahead
+        self._device_free_at = 0.0  # (the device thread's) when it handed out its last call's results
         self._ready = _ReadyCalls()  # pushes whose next call waits for the device
         self._flights: collections.deque[_Flight] = collections.deque()  # on the device (the first), queued behind
         # Who runs the scheduling: this scheduler's own thread (None), or an event loop (attach_loop) in its thread.
@@ -465,7 +471,19 @@ class PushScheduler:
             future.set_exception(exc)
             future.add_done_callback(self._notify)
             return _Flight(group, future)
-        future = self._device.submit(self._timed_call, stacked)
+        if self.launches_ahead:
+            launched_at, behind = time.perf_counter(), bool(self._flights)
+            try:
+                launched = launch_stacked(self.backend, stacked, wait=False)  # type: ignore[arg-type]
+            except BaseException as exc:  # noqa: BLE001 - the group's failure, as above
+                future = concurrent.futures.Future()
+                future.set_exception(exc)
+                future.add_done_callback(self._notify)
+                return _Flight(group, future)
+            self.stats.launched_ahead += launched is not None and behind
+            future = self._device.submit(self._timed_result, stacked, launched, launched_at)
+        else:
+            future = self._device.submit(self._timed_call, stacked)
         future.add_done_callback(self._notify)
         return _Flight(group, future)
 
@@ -473,6 +491,19 @@ class PushScheduler:
         started = time.perf_counter()
         results = run_stacked(self.backend, stacked)
         return results, time.perf_counter() - started
+
+    def _timed_result(self, stacked: StackedCalls, launched: LaunchedStep | None,
+                      launched_at: float) -> tuple[list[Any], float]:
+        """(The device thread.) A call the scheduler launched, waited for (or launched here: its buffers held an
+        earlier call's when the scheduler tried); its time counted from its launch or the previous call's end, the
+        later (the calls overlap)."""
+        if launched is None:
+            launched_at = time.perf_counter()
+            launched = launch_stacked(self.backend, stacked)  # type: ignore[arg-type]
+            assert launched is not None
+        results = split_rows(stacked, launched.result())
+        started, self._device_free_at = max(launched_at, self._device_free_at), time.perf_counter()
+        return results, self._device_free_at - started
 
     def _notify(self, _future: Any) -> None:
         with self._cv:

@@ -30,6 +30,8 @@ class EngineTraits:
     ``calls_from_any_thread``: its calls may come from any thread (they take the engine's own lock).
     ``inline_lone_calls``: a call is short enough (a graph replay) for a quiet lone push to make its calls in the
     scheduling thread.
+    ``launches_ahead``: its calls can be launched (:class:`LaunchingBackend`) in one thread and waited for in another,
+    so the device runs one call while the host launches the next.
     """
 
     step_sizes: tuple[int, ...] | None = None
@@ -41,6 +43,7 @@ class EngineTraits:
     noise_positions: bool = False
     calls_from_any_thread: bool = False
     inline_lone_calls: bool = False
+    launches_ahead: bool = False
 
 
 class VocoderBackend(Protocol):
@@ -71,6 +74,29 @@ class VocoderBackend(Protocol):
 
     def stream_capacity(self) -> int:
         """The most streams the engine's memory holds at once."""
+        ...
+
+
+class LaunchedStep(Protocol):
+    """A backend call on the device (:class:`LaunchingBackend`)."""
+
+    def result(self) -> Any:
+        """Wait for the call and give what the synchronous step gives (from any thread; the first call waits)."""
+        ...
+
+
+class LaunchingBackend(VocoderBackend, Protocol):
+    """A backend whose traits declare ``launches_ahead``: each step also as a launch that returns at once."""
+
+    def launch_f0_step(self, mel: np.ndarray, caches: Any, wait: bool = True) -> LaunchedStep | None:
+        """:meth:`VocoderBackend.f0_step` on the device; with ``wait=False``, None instead of waiting where the call
+        cannot launch before an earlier one is waited for (its buffers hold that one's inputs or outputs)."""
+        ...
+
+    def launch_generator_step(self, mel: np.ndarray, f0: np.ndarray, noise: np.ndarray, phase_in: np.ndarray,
+                              first: np.ndarray, caches: Any, final: bool, *frames: np.ndarray,
+                              wait: bool = True) -> LaunchedStep | None:
+        """:meth:`VocoderBackend.generator_step` on the device, as :meth:`launch_f0_step`."""
         ...
 
 
@@ -229,7 +255,22 @@ def stack_calls(calls: list[StepCall]) -> StackedCalls:
 def run_stacked(backend: VocoderBackend, stacked: StackedCalls) -> list[Any]:
     """One batched backend call; each stacked call's result (its row)."""
     if stacked.kind == "f0":
-        f0, nxt = backend.f0_step(*stacked.inputs)
+        return split_rows(stacked, backend.f0_step(*stacked.inputs))
+    return split_rows(stacked, backend.generator_step(*stacked.inputs))
+
+
+def launch_stacked(backend: LaunchingBackend, stacked: StackedCalls, wait: bool = True) -> LaunchedStep | None:
+    """One batched call launched on a backend that ``launches_ahead`` (its result: :func:`split_rows` of it); None
+    where ``wait`` is False and it must wait for an earlier call first."""
+    if stacked.kind == "f0":
+        return backend.launch_f0_step(*stacked.inputs, wait=wait)
+    return backend.launch_generator_step(*stacked.inputs, wait=wait)
+
+
+def split_rows(stacked: StackedCalls, outputs: tuple[Any, ...]) -> list[Any]:
+    """A batched call's outputs (what its step gives) as each stacked call's result (its row)."""
+    if stacked.kind == "f0":
+        f0, nxt = outputs
         return [(f0[i:i + 1], cache_row(nxt, i)) for i in range(stacked.rows)]
-    audio, phase, nxt = backend.generator_step(*stacked.inputs)
+    audio, phase, nxt = outputs
     return [(audio[i:i + 1], phase[i:i + 1], cache_row(nxt, i)) for i in range(stacked.rows)]

@@ -1,9 +1,11 @@
 """The compiled engine's device state and captured calls: every stream's caches as rows of one device tensor
 (:class:`CacheRows`), and a step shape as a CUDA graph that copies its inputs in from pinned host buffers and its
-outputs out to them (:class:`CapturedCall` over :class:`HostMirrors`)."""
+outputs out to them (:class:`CapturedCall` over :class:`HostMirrors`), launched and waited for apart
+(:class:`LaunchedCall`)."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +28,9 @@ class HostMirrors:
         self.host_in = [t.numpy() for t in self.inputs]
         self.host_out = [t.numpy() for t in self.outputs]
         self.dirty = 0  # rows past which every input row is zero (the buffers start as zeros)
+        # The call launched over these buffers and not yet waited for: its outputs land here, and the next call's
+        # inputs may be written only once its own were read (both known once it is done).
+        self.pending: LaunchedCall | None = None
 
     def write(self, values: list[np.ndarray], rows: int, batch: int) -> None:
         """``values`` into the first ``rows`` rows; rows ``[rows, batch)`` zero (slot 0: the scratch row), since a
@@ -74,13 +79,78 @@ class CapturedCall:
             for host, out in zip(self.mirrors.outputs, fn(*self.inputs)):
                 host[:self.batch].copy_(out, non_blocking=True)
 
-    def run(self, values: list[np.ndarray], rows: int) -> list[np.ndarray]:
-        """The first ``rows`` rows of the outputs (copies, made under the GIL: the buffers are the next call's) for
-        ``values`` of ``rows`` rows each."""
-        self.mirrors.write(values, rows, self.batch)
+    def run(self, values: list[np.ndarray], rows: int, lock: threading.Lock) -> list[np.ndarray]:
+        """The first ``rows`` rows of the outputs for ``values`` of ``rows`` rows each (``lock`` held: the
+        engine's)."""
+        launched = self.launch(values, rows, lock, wait=True)
+        assert launched is not None
+        return launched.result_held()
+
+    def launch(self, values: list[np.ndarray], rows: int, lock: threading.Lock, wait: bool) -> LaunchedCall | None:
+        """The call launched on the calling thread's stream (``lock``, the engine's, held). A call still pending on
+        the same buffers is waited for first; or, with ``wait`` False, nothing is launched (None) unless it is
+        done."""
+        mirrors = self.mirrors
+        if mirrors.pending is not None:
+            if not wait and not mirrors.pending.done.query():
+                return None
+            mirrors.pending.result_held()
+        mirrors.write(values, rows, self.batch)
         self.graph.replay()
-        torch.cuda.current_stream(self.device).synchronize()
-        return [copy_rows(out, rows) for out in self.mirrors.host_out]
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        mirrors.pending = LaunchedCall(mirrors, rows, done, lock)
+        return mirrors.pending
+
+
+class LaunchedCall:
+    """A captured call on the device: :meth:`result` waits for it and gives copies of its outputs' first ``rows``
+    rows (made under the GIL: the buffers are the next call's)."""
+
+    def __init__(self, mirrors: HostMirrors, rows: int, done: torch.cuda.Event, lock: threading.Lock) -> None:
+        self._mirrors, self._rows, self._lock = mirrors, rows, lock
+        self.done = done  # recorded after its replay
+        self._outputs: list[np.ndarray] | None = None
+
+    def result(self) -> list[np.ndarray]:
+        """The outputs, from any thread: the wait without the engine's lock (launches go on meanwhile), the copies
+        with it."""
+        if self._outputs is None:
+            self.done.synchronize()
+            with self._lock:
+                return self.result_held()
+        return self._outputs
+
+    def result_held(self) -> list[np.ndarray]:
+        """:meth:`result` with the engine's lock held."""
+        if self._outputs is None:
+            mirrors = self._mirrors
+            self.done.synchronize()
+            self._outputs = [copy_rows(out, self._rows) for out in mirrors.host_out]
+            mirrors.pending = None
+        return self._outputs
+
+
+class FinishedCall:
+    """A call already done (an eager one): :class:`LaunchedCall`'s interface over its outputs."""
+
+    def __init__(self, outputs: list[np.ndarray]) -> None:
+        self._outputs = outputs
+
+    def result(self) -> list[np.ndarray]:
+        return self._outputs
+
+    result_held = result
+
+
+class LaunchedStep:
+    """A step's call on the device, as the engine's step gives it: ``convert`` of the call's outputs."""
+
+    def __init__(self, call: LaunchedCall | FinishedCall, convert: Callable[[list[np.ndarray]], Any]) -> None:
+        self._call, self._convert = call, convert
+
+    def result(self) -> Any:
+        return self._convert(self._call.result())
 
 
 class CacheRows:

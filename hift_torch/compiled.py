@@ -42,7 +42,7 @@ from hift_runtime.noise import NoiseTable
 from hift_runtime.options import OFFLINE_SLOTS, PRECISIONS, CompiledOptions
 from hift_runtime.process_tuning import HANDOFF_SWITCH_INTERVAL_S, switch_interval_at_most
 
-from .capture import CacheRows, CapturedCall, HostMirrors
+from .capture import CacheRows, CapturedCall, FinishedCall, HostMirrors, LaunchedCall, LaunchedStep
 from .compile_workers import compile_units, compiles_side_by_side, precompile, workers_device_bytes
 from .cudnn import (HEURISTIC_MODE_B_ENV, ChoosingThreads, cudnn_threads_for_memory, heuristic_mode_b_asked,
                     use_heuristic_mode_b)
@@ -68,6 +68,11 @@ F0_SIZES_PAST_THE_STEP = (26, 38, 50, 76, 100)
 CONV_LAYOUT = {"fp32": "channels-first", "tf32": "channels-first", "fp16": "channels-last"}
 # Where the stream step is one graph over its window (BENCHMARKS.md, decision log: fp32 only).
 STEP_WINDOW = {"fp32": True, "tf32": False, "fp16": False}
+
+
+def launches_ahead_asked() -> bool:
+    """(Measured, not yet decided: BENCHMARKS.md.) Whether the scheduler launches calls ahead (HIFT_LAUNCH_AHEAD)."""
+    return os.environ.get("HIFT_LAUNCH_AHEAD", "1") != "0"
 
 
 def cuda_available() -> bool:
@@ -132,7 +137,8 @@ class CompiledBackend:
         self.traits = EngineTraits(step_sizes=self.step_sizes, f0_step_sizes=self.f0_step_sizes,
                                    step_window=self.step_window_frames, final_window=self.final_window_frames,
                                    caches_in_place=True, f0_caches_in_place=True, noise_positions=True,
-                                   calls_from_any_thread=True, inline_lone_calls=self.cuda_graphs)
+                                   calls_from_any_thread=True, inline_lone_calls=self.cuda_graphs,
+                                   launches_ahead=self.cuda_graphs and launches_ahead_asked())
         self.name = f"compiled[{self.device.type}:{precision}]" if self.compiled else f"torch[{self.device.type}]"
         self.generator, self.predictor = load_folded(manifest, self.device)
         if self.conv_layout == "channels-last":
@@ -274,18 +280,33 @@ class CompiledBackend:
             torch.backends.cuda.matmul.allow_tf32 = matmul
 
     def f0_step(self, mel: np.ndarray, caches: Any) -> tuple[np.ndarray, Any]:
+        launched = self.launch_f0_step(mel, caches)
+        assert launched is not None
+        return launched.result()
+
+    def launch_f0_step(self, mel: np.ndarray, caches: Any, wait: bool = True) -> "LaunchedStep | None":
         slots = caches if isinstance(caches, list) else [caches]
         rows = mel.shape[0]
         fresh = self._f0_fresh
         values = [mel, np.array([[s.index in fresh] for s in slots]), np.array([s.index for s in slots], np.int64)]
         size = mel.shape[2] - self.constants.f0_look_ahead
-        out = self._call("f0", size, values, rows, self._f0)
-        fresh.difference_update(s.index for s in slots)  # written now
-        return out[0], caches  # the next caches are in the same slots
+        launched = self._launch("f0", size, values, rows, self._f0, wait)
+        if launched is None:
+            return None
+        fresh.difference_update(s.index for s in slots)  # written by this call, which is ahead of any later one
+        return LaunchedStep(launched, lambda out: (out[0], caches))  # the next caches are in the same slots
 
     def generator_step(self, mel: np.ndarray, f0: np.ndarray, noise: np.ndarray, phase_in: np.ndarray,
                        first: np.ndarray, caches: Any, final: bool, frames: np.ndarray | None = None
                        ) -> tuple[np.ndarray, np.ndarray, Any]:
+        launched = self.launch_generator_step(mel, f0, noise, phase_in, first, caches, final,
+                                              *([] if frames is None else [frames]))
+        assert launched is not None
+        return launched.result()
+
+    def launch_generator_step(self, mel: np.ndarray, f0: np.ndarray, noise: np.ndarray, phase_in: np.ndarray,
+                              first: np.ndarray, caches: Any, final: bool, *frames: np.ndarray,
+                              wait: bool = True) -> "LaunchedStep | None":
         if self._table is None:
             raise RuntimeError("the compiled engine has no noise table: it is set by StreamingVocoder "
                                "(use_noise_table)")
@@ -293,12 +314,13 @@ class CompiledBackend:
         rows = mel.shape[0]
         values = [mel, f0, noise.reshape(rows, 1).astype(np.int64, copy=False), phase_in, first,
                   np.array([s.index for s in slots], np.int64)]
-        if frames is not None:  # a step in a window: each row's frames
-            values.append(frames.reshape(rows).astype(np.int64, copy=False))
+        values += [f.reshape(rows).astype(np.int64, copy=False) for f in frames]  # a step in a window: its frames
         size = f0.shape[1] - (0 if final else self.constants.source_look_ahead)
         kind = "final" if final else "generator"
-        audio, phase = self._call(kind, size, values, rows, self._final if final else self._step)
-        return audio, phase, (None if final else caches)  # the next caches are in the same slots
+        launched = self._launch(kind, size, values, rows, self._final if final else self._step, wait)
+        if launched is None:
+            return None
+        return LaunchedStep(launched, lambda out: (out[0], out[1], None if final else caches))
 
     def captured(self, kind: str, size: int, batch: int) -> CapturedCall | None:
         """The CUDA graph warmup captured for step ``kind`` x ``size`` frames at ``batch`` streams (None: not captured)."""
@@ -309,17 +331,18 @@ class CompiledBackend:
         :meth:`zero_inputs`-shaped tensors (what a profiler times)."""
         return self._compiled[kind]
 
-    def _call(self, kind: str, size: int, values: list[np.ndarray], rows: int,
-              eager: Callable[..., tuple[torch.Tensor, ...]]) -> list[np.ndarray]:
+    def _launch(self, kind: str, size: int, values: list[np.ndarray], rows: int,
+                eager: Callable[..., tuple[torch.Tensor, ...]], wait: bool) -> "LaunchedCall | FinishedCall | None":
         """A call of step ``kind`` x ``size`` over ``rows`` streams: its captured graph's replay where warmup
-        captured the shape (padded to the batch it was captured at), else the eager step."""
+        captured the shape (padded to the batch it was captured at), launched; else the eager step, done here. None:
+        ``wait`` is False and the graph's buffers are an earlier call's still (see :meth:`CapturedCall.launch`)."""
         with self._lock:
             graph = self._graphs.get((kind, size, padded_batch(rows, self.batch_sizes)))
             if graph is not None:
-                return graph.run(values, rows)
+                return graph.launch(values, rows, self._lock, wait)
             with self.precision_scope():
                 tensors = (torch.from_numpy(np.ascontiguousarray(v)).to(self.device) for v in values)
-                return [t.cpu().numpy() for t in eager(*tensors)]
+                return FinishedCall([t.cpu().numpy() for t in eager(*tensors)])
 
     # ---- warmup: compile and capture every shape a stream meets ------------------------------------------------------
     def warmup(self, step_sizes: tuple[int, ...] | None, progress: Callable[[str], None] | None = None) -> None:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -66,6 +68,78 @@ def test_calls_queued_behind_the_device_keep_every_stream_exact(small_artifacts,
     assert batched.scheduler.stats.queued > 0
     assert batched.open_streams == 0
     batched.close()
+
+
+class _LaunchingStandIn:
+    """A backend that ``launches_ahead``, over a real one: each launch runs the inner call on a stand-in device (one
+    thread, ``delay`` s a call, in launch order) and returns at once; a call's buffers are its kind's (the compiled
+    engine's are its shape's), so a launch with ``wait=False`` while its kind's last call is not done is refused
+    (None), as the compiled engine's are."""
+
+    def __init__(self, inner, delay: float) -> None:
+        import concurrent.futures
+
+        self.inner, self.name, self.delay = inner, "launching", delay
+        self.traits = dataclasses.replace(inner.traits, launches_ahead=True)
+        self._device = concurrent.futures.ThreadPoolExecutor(1)
+        self._pending: dict[str, Any] = {}
+        self.launch_threads: set[str] = set()
+        self.refused = 0
+
+    def new_caches(self, kind, batch=1):
+        return self.inner.new_caches(kind, batch)
+
+    def _launch(self, key, call, wait):
+        pending = self._pending.get(key)
+        if pending is not None and not pending.done():
+            if not wait:
+                self.refused += 1
+                return None
+            pending.result()
+        self.launch_threads.add(threading.current_thread().name)
+
+        def on_device():
+            time.sleep(self.delay)
+            return call()
+
+        self._pending[key] = future = self._device.submit(on_device)
+        return future  # a Future's result() is a LaunchedStep's
+
+    def launch_f0_step(self, mel, caches, wait=True):
+        return self._launch("f0", lambda: self.inner.f0_step(mel, caches), wait)
+
+    def launch_generator_step(self, mel, f0, noise, phase_in, first, caches, final, *frames, wait=True):
+        return self._launch("final" if final else "generator", lambda: self.inner.generator_step(
+            mel, f0, noise, phase_in, first, caches, final, *frames), wait)
+
+    def f0_step(self, mel, caches):
+        return self.launch_f0_step(mel, caches).result()
+
+    def generator_step(self, *args):
+        return self.launch_generator_step(*args).result()
+
+
+def test_calls_launched_ahead_by_the_scheduler_keep_every_stream_exact(small_artifacts, alone):
+    """Over an engine that launches ahead, the scheduler launches each call itself, the ones behind a call still on
+    the device included, and the device thread only waits for them; a launch its engine refuses (its buffers still
+    an earlier call's) is made by the device thread once that call is done. The streams equal their solo runs."""
+    batched = open_vocoder(small_artifacts.out, device="cpu", batching=True, max_wait_ms=2)
+    scheduler = batched.scheduler
+    scheduler.backend = device = _LaunchingStandIn(scheduler.backend, delay=0.004)
+    scheduler.launches_ahead, scheduler.queue_behind = True, 1
+    rng = np.random.default_rng(8)
+    n = 8
+    mels = [random_mel(int(rng.integers(40, 90)), seed=80 + i) for i in range(n)]
+    schedules = [[int(x) for x in rng.integers(1, 30, 5)] + [500] for _ in range(n)]
+    delays = rng.random(n) * 0.02
+    expected = [run_stream(alone, m, s) for m, s in zip(mels, schedules)]
+    results = run_in_threads(lambda i: run_stream(batched, mels[i], schedules[i], delays[i]), range(n))
+    batched.close()
+    for i in range(n):
+        assert max_abs(results[i], expected[i]) <= 1e-6, i  # as above: float32 noise of batched convolutions
+    assert scheduler.stats.launched_ahead > 0 and device.refused > 0
+    assert {"hift-scheduler", "hift-batch-call_0"} <= device.launch_threads
+    assert batched.open_streams == 0
 
 
 def test_a_bad_chunk_is_refused_for_its_stream_only(small_artifacts, alone, request):

@@ -338,7 +338,7 @@ def test_compiled_streams_match_the_cpu_ep(small_artifacts, compiled_gpu):
     mode B, the step window): each stream equals the CPU EP's stream within the ORT CUDA EP's bar, and 64 concurrent
     streams each equal their solo run on the engine (the solo runs' quiet pushes made in the scheduling thread:
     inline_lone_calls is on over CUDA graphs). The concurrent streams queue any group behind the call on the device
-    (queue_behind 1)."""
+    (queue_behind 1), launched by the scheduler while the call ahead of them is still on the device."""
     from hift_torch.compiled import compile_count
 
     assert compiled_gpu.backend.name == "compiled[cuda:fp32]"
@@ -350,13 +350,14 @@ def test_compiled_streams_match_the_cpu_ep(small_artifacts, compiled_gpu):
     schedules = [[int(x) for x in rng.integers(0, 40, 8)] + [500] for _ in range(64)]
     scheduler = compiled_gpu.scheduler
     queue_behind, scheduler.queue_behind = scheduler.queue_behind, 1
-    queued = scheduler.stats.queued
+    queued, launched_ahead = scheduler.stats.queued, scheduler.stats.launched_ahead
     try:
         concurrent = run_in_threads(lambda i: np.concatenate(stream_all(compiled_gpu, mels[i], schedules[i])[0]),
                                     range(64))
     finally:
         scheduler.queue_behind = queue_behind
     assert scheduler.stats.queued > queued
+    assert compiled_gpu.backend.traits.launches_ahead and scheduler.stats.launched_ahead > launched_ahead
     for i in range(0, 64, 8):
         want = np.concatenate(stream_all(cpu, mels[i], schedules[i])[0])
         assert max_abs(concurrent[i], want) <= 2e-6 and snr_db(concurrent[i], want) >= 105, i
