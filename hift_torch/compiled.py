@@ -9,8 +9,9 @@ fused into Triton kernels, cuDNN convolutions), behind the same bookkeeping and 
 * **CUDA graphs**: :meth:`CompiledBackend.warmup` compiles, runs and captures every shape a stream meets: the stream
   step (at each of :data:`STEP_SIZES`, or in fp32 one window of 24 frames for all of them), the final step (a window
   of 28 frames: a stream's last push is one F0 call and one final call) and the F0 step (every size up to 25 frames,
-  and :data:`F0_SIZES_PAST_THE_STEP`), each at every batch size; a call is the host's writes into pinned buffers, one
-  replay and one wait.
+  and :data:`F0_SIZES_PAST_THE_STEP`), each at every batch size; a call is the host's writes into pinned buffers and
+  one replay, launched (``launch_*_step``), then one wait, which may come from another thread: the scheduler launches
+  the next call while the device still runs the one before.
 * **Precision** (``fp32``: TF32 off, parity; ``tf32``; ``fp16``: the convolution trunk in half precision, the source,
   STFT, phase and iSTFT head in float32). The F0 step runs in the export's F0 precision (float64 by default).
 
@@ -68,11 +69,6 @@ F0_SIZES_PAST_THE_STEP = (26, 38, 50, 76, 100)
 CONV_LAYOUT = {"fp32": "channels-first", "tf32": "channels-first", "fp16": "channels-last"}
 # Where the stream step is one graph over its window (BENCHMARKS.md, decision log: fp32 only).
 STEP_WINDOW = {"fp32": True, "tf32": False, "fp16": False}
-
-
-def launches_ahead_asked() -> bool:
-    """(Measured, not yet decided: BENCHMARKS.md.) Whether the scheduler launches calls ahead (HIFT_LAUNCH_AHEAD)."""
-    return os.environ.get("HIFT_LAUNCH_AHEAD", "1") != "0"
 
 
 def cuda_available() -> bool:
@@ -133,12 +129,13 @@ class CompiledBackend:
             if self.on_cuda and step_sizes else None
         self.batch_sizes = tuple(sorted(set(batch_sizes))) if self.on_cuda else (1,)
         # A call is a graph replay and its wait: short enough for a quiet lone push's calls to be made in the
-        # scheduling thread; an eager call on the CPU is not. Every call takes this engine's own lock.
+        # scheduling thread; an eager call on the CPU is not. Every call takes this engine's own lock. A replay is
+        # launched and waited for apart (BENCHMARKS.md, decision log: "launch ahead").
         self.traits = EngineTraits(step_sizes=self.step_sizes, f0_step_sizes=self.f0_step_sizes,
                                    step_window=self.step_window_frames, final_window=self.final_window_frames,
                                    caches_in_place=True, f0_caches_in_place=True, noise_positions=True,
                                    calls_from_any_thread=True, inline_lone_calls=self.cuda_graphs,
-                                   launches_ahead=self.cuda_graphs and launches_ahead_asked())
+                                   launches_ahead=self.cuda_graphs)
         self.name = f"compiled[{self.device.type}:{precision}]" if self.compiled else f"torch[{self.device.type}]"
         self.generator, self.predictor = load_folded(manifest, self.device)
         if self.conv_layout == "channels-last":
