@@ -18,7 +18,8 @@ from hift_runtime.slots import SlotRows
 
 class HostMirrors:
     """Pinned host buffers of one step shape's inputs and outputs, ``rows`` rows each, shared by its graphs of every
-    batch size (one call at a time: the backend's lock); a graph of batch ``B`` copies rows ``[0, B)``. Per batch
+    batch size (one call at a time: a launch over them waits for the call pending on them, ``pending``); a graph of
+    batch ``B`` copies rows ``[0, B)``. Per batch
     size they would pin ~280 MB at full size (the host allocator rounds each to a power of two); shared, ~56 MB of
     buffers (< 100 MB pinned)."""
 

@@ -281,7 +281,7 @@ class CompiledBackend:
         assert launched is not None
         return launched.result()
 
-    def launch_f0_step(self, mel: np.ndarray, caches: Any, wait: bool = True) -> "LaunchedStep | None":
+    def launch_f0_step(self, mel: np.ndarray, caches: Any, wait: bool = True) -> LaunchedStep | None:
         slots = caches if isinstance(caches, list) else [caches]
         rows = mel.shape[0]
         fresh = self._f0_fresh
@@ -303,7 +303,7 @@ class CompiledBackend:
 
     def launch_generator_step(self, mel: np.ndarray, f0: np.ndarray, noise: np.ndarray, phase_in: np.ndarray,
                               first: np.ndarray, caches: Any, final: bool, *frames: np.ndarray,
-                              wait: bool = True) -> "LaunchedStep | None":
+                              wait: bool = True) -> LaunchedStep | None:
         if self._table is None:
             raise RuntimeError("the compiled engine has no noise table: it is set by StreamingVocoder "
                                "(use_noise_table)")
@@ -329,7 +329,7 @@ class CompiledBackend:
         return self._compiled[kind]
 
     def _launch(self, kind: str, size: int, values: list[np.ndarray], rows: int,
-                eager: Callable[..., tuple[torch.Tensor, ...]], wait: bool) -> "LaunchedCall | FinishedCall | None":
+                eager: Callable[..., tuple[torch.Tensor, ...]], wait: bool) -> LaunchedCall | FinishedCall | None:
         """A call of step ``kind`` x ``size`` over ``rows`` streams: its captured graph's replay where warmup
         captured the shape (padded to the batch it was captured at), launched; else the eager step, done here. None:
         ``wait`` is False and the graph's buffers are an earlier call's still (see :meth:`CapturedCall.launch`)."""
