@@ -49,6 +49,18 @@ def test_concurrent_streams_through_the_batcher_equal_each_alone(small_artifacts
     assert batched.open_streams == 0
 
 
+def streams_equal_alone(batched, alone, seed: int, n: int) -> None:
+    """``n`` streams of random chunks, started at random times on ``batched``, each equal to its run on ``alone``."""
+    rng = np.random.default_rng(seed)
+    mels = [random_mel(int(rng.integers(40, 90)), seed=10 * seed + i) for i in range(n)]
+    schedules = [[int(x) for x in rng.integers(1, 30, 5)] + [500] for _ in range(n)]
+    delays = rng.random(n) * 0.02
+    expected = [run_stream(alone, m, s) for m, s in zip(mels, schedules)]
+    results = run_in_threads(lambda i: run_stream(batched, mels[i], schedules[i], delays[i]), range(n))
+    for i in range(n):
+        assert max_abs(results[i], expected[i]) <= 1e-6, i  # as above: float32 noise of batched convolutions
+
+
 def test_calls_queued_behind_the_device_keep_every_stream_exact(small_artifacts, alone):
     """A group ready when a call lands starts behind the next one, on the device thread's queue (no scheduler wake-up
     between them); the streams still equal their solo runs."""
@@ -56,15 +68,7 @@ def test_calls_queued_behind_the_device_keep_every_stream_exact(small_artifacts,
     batched.scheduler.backend = slow = FaultyBackend(batched.scheduler.backend)
     slow.delay = 0.004  # a device call long enough for groups to form behind it
     batched.scheduler.queue_behind = 1  # any group (the default: a quarter of max_batch)
-    rng = np.random.default_rng(5)
-    n = 6
-    mels = [random_mel(int(rng.integers(40, 90)), seed=60 + i) for i in range(n)]
-    schedules = [[int(x) for x in rng.integers(1, 30, 5)] + [500] for _ in range(n)]
-    delays = rng.random(n) * 0.02
-    expected = [run_stream(alone, m, s) for m, s in zip(mels, schedules)]
-    results = run_in_threads(lambda i: run_stream(batched, mels[i], schedules[i], delays[i]), range(n))
-    for i in range(n):
-        assert max_abs(results[i], expected[i]) <= 1e-6, i  # as above: float32 noise of batched convolutions
+    streams_equal_alone(batched, alone, seed=5, n=6)
     assert batched.scheduler.stats.queued > 0
     assert batched.open_streams == 0
     batched.close()
@@ -127,16 +131,10 @@ def test_calls_launched_ahead_by_the_scheduler_keep_every_stream_exact(small_art
     scheduler = batched.scheduler
     scheduler.backend = device = _LaunchingStandIn(scheduler.backend, delay=0.004)
     scheduler.launches_ahead, scheduler.queue_behind = True, 1
-    rng = np.random.default_rng(8)
-    n = 8
-    mels = [random_mel(int(rng.integers(40, 90)), seed=80 + i) for i in range(n)]
-    schedules = [[int(x) for x in rng.integers(1, 30, 5)] + [500] for _ in range(n)]
-    delays = rng.random(n) * 0.02
-    expected = [run_stream(alone, m, s) for m, s in zip(mels, schedules)]
-    results = run_in_threads(lambda i: run_stream(batched, mels[i], schedules[i], delays[i]), range(n))
-    batched.close()
-    for i in range(n):
-        assert max_abs(results[i], expected[i]) <= 1e-6, i  # as above: float32 noise of batched convolutions
+    try:
+        streams_equal_alone(batched, alone, seed=8, n=8)
+    finally:
+        batched.close()
     assert scheduler.stats.launched_ahead > 0 and device.refused > 0
     assert {"hift-scheduler", "hift-batch-call_0"} <= device.launch_threads
     assert batched.open_streams == 0
