@@ -15,6 +15,7 @@ one process can carry whatever the GPU does: a real-time stream pushes 2.08 time
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime as dt
 import gc
 import json
@@ -85,9 +86,10 @@ class InstantPositionsDevice(InstantDevice):
 
 
 class ModelledDevice(InstantDevice):
-    """The instant device, but each call sleeps (the GIL released, as during a GPU call) for the time a model of
-    the H200 gives it: ``fixed + per_row * B`` ms for a generator step of 24 frames on the batch ladder's padded
-    ``B`` (scaled by frames / 24 for other sizes), ``f0_ms`` per F0 call. Defaults: the plain step graphs' CUDA graph
+    """The instant device, but each call takes (a sleep in the device's own thread, the GIL released, as a GPU call)
+    the time a model of the H200 gives it: ``fixed + per_row * B`` ms for a generator step of 24 frames on the batch
+    ladder's padded ``B`` (scaled by frames / 24 for other sizes), ``f0_ms`` per F0 call. Its calls are launched and
+    waited for apart, as the compiled engine's (``launches_ahead`` with the compiled engine's step sizes). Defaults: the plain step graphs' CUDA graph
     replays in ``gpu-h200-step.json`` (TF32 off: 4.77 ms at B = 1, 50.4 at 64, 163.4 at 256) and the F0 calls'
     1.8 ms at K = 64 in ``load-h200-batched-slots.json``. For trying schedulers without a GPU: not a GPU figure."""
 
@@ -101,6 +103,9 @@ class ModelledDevice(InstantDevice):
         super().__init__(constants)
         self.fixed_ms, self.per_row_ms, self.f0_ms, self.final_ms = fixed_ms, per_row_ms, f0_ms, final_ms
         self._lock_file = open(shared_lock, "a") if shared_lock else None  # noqa: SIM115 - held for the device's life
+        # The device's timeline: a call launched runs after the ones before it, as on a GPU's stream.
+        self._device = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="modelled-device")
+        self._pending: dict[tuple[str, int], concurrent.futures.Future] = {}  # step shape -> its last call
 
     def _padded(self, rows: int) -> int:
         return next((b for b in self.LADDER if b >= rows), rows)
@@ -117,19 +122,51 @@ class ModelledDevice(InstantDevice):
         finally:
             fcntl.flock(self._lock_file, fcntl.LOCK_UN)
 
+    def _step_ms(self, mel: np.ndarray, f0: np.ndarray, final: bool) -> float:
+        if final:
+            return self.final_ms
+        frames = f0.shape[1] - self.c.source_look_ahead
+        b = self._padded(mel.shape[0])
+        ms = min(4.77 + (b - 1) * (8.75 - 4.77) / 7, self.fixed_ms + self.per_row_ms * b)  # B < 8: nearer 4.77
+        return ms * max(frames, 4) / 24
+
+    def launch_f0_step(self, mel, caches, wait=True):
+        return self._launch(("f0", mel.shape[2]), self.f0_ms, super().f0_step(mel, caches), wait)
+
+    def launch_generator_step(self, mel, f0, noise, phase_in, first, caches, final, *frames, wait=True):
+        outputs = super().generator_step(mel, f0, noise, phase_in, first, caches, final, *frames)
+        return self._launch(("final" if final else "generator", mel.shape[2]), self._step_ms(mel, f0, final), outputs,
+                            wait)
+
+    def _launch(self, shape: tuple[str, int], ms: float, outputs: Any, wait: bool) -> "_ModelledCall | None":
+        """A call on the modelled device's one timeline (its thread: calls run one after another, in launch order),
+        with the compiled engine's rule for its pinned buffers: one call pending per step shape (``wait=False``: None
+        while the shape's last call runs)."""
+        pending = self._pending.get(shape)
+        if pending is not None and not pending.done():
+            if not wait:
+                return None
+            pending.result()
+        self._pending[shape] = future = self._device.submit(self._run, ms)
+        return _ModelledCall(future, outputs)
+
     def f0_step(self, mel, caches):
-        self._run(self.f0_ms)
-        return super().f0_step(mel, caches)
+        return self.launch_f0_step(mel, caches).result()
 
     def generator_step(self, mel, f0, noise, phase_in, first, caches, final, frames=None):
-        if final:
-            self._run(self.final_ms)
-        else:
-            frames = f0.shape[1] - self.c.source_look_ahead
-            b = self._padded(mel.shape[0])
-            ms = min(4.77 + (b - 1) * (8.75 - 4.77) / 7, self.fixed_ms + self.per_row_ms * b)  # B < 8: nearer 4.77
-            self._run(ms * max(frames, 4) / 24)
-        return super().generator_step(mel, f0, noise, phase_in, first, caches, final, frames)
+        return self.launch_generator_step(mel, f0, noise, phase_in, first, caches, final,
+                                          *([] if frames is None else [frames])).result()
+
+
+class _ModelledCall:
+    """A modelled device's call: its outputs once its time on the device has passed."""
+
+    def __init__(self, future: concurrent.futures.Future, outputs: Any) -> None:
+        self._future, self._outputs = future, outputs
+
+    def result(self) -> Any:
+        self._future.result()
+        return self._outputs
 
 
 # Step sizes of the stand-in: the ORT engine's, the compiled engine's (hift_torch.compiled: its F0 at every size up to
@@ -154,7 +191,8 @@ def modelled_vocoder(constants, device: InstantDevice, batched: bool, max_wait_s
     step_sizes, f0_step_sizes = STEP_SIZES[sizes]
     device.traits = EngineTraits(
         step_sizes=step_sizes, f0_step_sizes=f0_step_sizes, noise_positions=sizes != "ort" or device.traits.noise_positions,
-        final_window=max(step_sizes) + constants.mel_look_ahead if sizes in FINAL_WINDOW_SIZES else None)
+        final_window=max(step_sizes) + constants.mel_look_ahead if sizes in FINAL_WINDOW_SIZES else None,
+        launches_ahead=sizes != "ort" and isinstance(device, ModelledDevice))
     vocoder = StreamingVocoder(device, constants, step_sizes=step_sizes)
     if batched:
         vocoder.scheduler = PushScheduler(device, max_batch=256, max_wait_s=max_wait_s,
