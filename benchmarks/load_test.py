@@ -524,7 +524,8 @@ def run_k(vocoder, k: int, seconds: float, clients: str = "threads", collections
             "refused_streams": rec.refused, "streams_served": len(first),
             "gpu_memory_mb": gpu_memory_mb(), "max_batch": largest,
             "queued_batches": queued_after - queued_before,  # started behind another on the device
-            "launched_ahead_batches": getattr(stats, "launched_ahead", 0) - launched_before,  # in process
+            # of those, launched by the scheduler while the call ahead ran (in process only)
+            "launched_ahead_batches": getattr(stats, "launched_ahead", 0) - launched_before if stats else None,
             "gc_full_collections": full - collections_before, "gc_full_collection_max_ms": round(longest_ms, 1),
             **({"batcher_this_run": this_run} if this_run is not None else {}),
             **({"triton_total": served, "triton_this_run": triton_this_run(triton_before or {}, served)}
