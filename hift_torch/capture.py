@@ -19,9 +19,8 @@ from hift_runtime.slots import SlotRows
 class HostMirrors:
     """Pinned host buffers of one step shape's inputs and outputs, ``rows`` rows each, shared by its graphs of every
     batch size (one call at a time: a launch over them waits for the call pending on them, ``pending``); a graph of
-    batch ``B`` copies rows ``[0, B)``. Per batch
-    size they would pin ~280 MB at full size (the host allocator rounds each to a power of two); shared, ~56 MB of
-    buffers (< 100 MB pinned)."""
+    batch ``B`` copies rows ``[0, B)``. Per batch size they would pin ~280 MB at full size (the host allocator rounds
+    each to a power of two); shared, ~56 MB of buffers (< 100 MB pinned)."""
 
     def __init__(self, inputs: list[torch.Tensor], outputs: tuple[torch.Tensor, ...], rows: int) -> None:
         self.inputs = [torch.zeros((rows, *t.shape[1:]), dtype=t.dtype, pin_memory=True) for t in inputs]
@@ -79,13 +78,6 @@ class CapturedCall:
                 buffer.copy_(host[:self.batch], non_blocking=True)
             for host, out in zip(self.mirrors.outputs, fn(*self.inputs)):
                 host[:self.batch].copy_(out, non_blocking=True)
-
-    def run(self, values: list[np.ndarray], rows: int, lock: threading.Lock) -> list[np.ndarray]:
-        """The first ``rows`` rows of the outputs for ``values`` of ``rows`` rows each (``lock`` held: the
-        engine's)."""
-        launched = self.launch(values, rows, lock, wait=True)
-        assert launched is not None
-        return launched.result_held()
 
     def launch(self, values: list[np.ndarray], rows: int, lock: threading.Lock, wait: bool) -> LaunchedCall | None:
         """The call launched on the calling thread's stream (``lock``, the engine's, held). A call still pending on

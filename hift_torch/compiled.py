@@ -130,7 +130,7 @@ class CompiledBackend:
         self.batch_sizes = tuple(sorted(set(batch_sizes))) if self.on_cuda else (1,)
         # A call is a graph replay and its wait: short enough for a quiet lone push's calls to be made in the
         # scheduling thread; an eager call on the CPU is not. Every call takes this engine's own lock. A replay is
-        # launched and waited for apart (BENCHMARKS.md, decision log: "launch ahead").
+        # launched and waited for apart (BENCHMARKS.md, decision log: "the scheduler launches each call").
         self.traits = EngineTraits(step_sizes=self.step_sizes, f0_step_sizes=self.f0_step_sizes,
                                    step_window=self.step_window_frames, final_window=self.final_window_frames,
                                    caches_in_place=True, f0_caches_in_place=True, noise_positions=True,
@@ -331,12 +331,15 @@ class CompiledBackend:
     def _launch(self, kind: str, size: int, values: list[np.ndarray], rows: int,
                 eager: Callable[..., tuple[torch.Tensor, ...]], wait: bool) -> LaunchedCall | FinishedCall | None:
         """A call of step ``kind`` x ``size`` over ``rows`` streams: its captured graph's replay where warmup
-        captured the shape (padded to the batch it was captured at), launched; else the eager step, done here. None:
-        ``wait`` is False and the graph's buffers are an earlier call's still (see :meth:`CapturedCall.launch`)."""
+        captured the shape (padded to the batch it was captured at), launched; else the eager step, done here. None
+        where ``wait`` is False and the call would wait: the graph's buffers still hold an earlier call's (see
+        :meth:`CapturedCall.launch`), or the shape is eager (its call waits for its outputs)."""
         with self._lock:
             graph = self._graphs.get((kind, size, padded_batch(rows, self.batch_sizes)))
             if graph is not None:
                 return graph.launch(values, rows, self._lock, wait)
+            if not wait:
+                return None
             with self.precision_scope():
                 tensors = (torch.from_numpy(np.ascontiguousarray(v)).to(self.device) for v in values)
                 return FinishedCall([t.cpu().numpy() for t in eager(*tensors)])

@@ -807,3 +807,17 @@ def test_a_padding_row_of_a_window_stays_in_bounds(reduced_config, final):
     samples = (8 if final else 7) * spf
     assert torch.equal(padded[0][1, :samples], beside_full[0][1, :samples])
     assert bool(torch.isfinite(padded[0]).all())
+
+
+def test_an_eager_call_is_not_launched_from_the_scheduling_thread(compiled_cpu):
+    """A shape without a captured graph runs eagerly and waits for its outputs: a launch that must not wait
+    (``wait=False``, the scheduler's) is refused, so the device thread makes it; waited for, it equals the step."""
+    backend = compiled_cpu.backend
+    assert not backend.traits.launches_ahead  # no CUDA graphs on the CPU: the scheduler never launches here
+    mel = random_mel(8 + backend.constants.f0_look_ahead, seed=3)[None]
+    fresh, again = backend.new_caches("f0"), backend.new_caches("f0")  # (their rows go back when collected)
+    assert backend.launch_f0_step(mel, fresh, wait=False) is None
+    launched = backend.launch_f0_step(mel, fresh)
+    assert launched is not None
+    f0, caches = launched.result()
+    assert caches is fresh and np.array_equal(f0, backend.f0_step(mel, again)[0])
