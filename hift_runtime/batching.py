@@ -463,23 +463,19 @@ class PushScheduler:
             except BaseException as exc:  # noqa: BLE001 - as the device thread's future would hold it
                 future.set_exception(exc)
             return _Flight(group, future)
-        # Stacked here, off the device thread: its time between two calls is time the device waits.
+        # Stacked (and, where the engine launches ahead, launched) here, off the device thread: its time between two
+        # calls is time the device waits.
         try:
             stacked = stack_calls(calls)
+            launched_at, behind, launched = time.perf_counter(), bool(self._flights), None
+            if self.launches_ahead:
+                launched = launch_stacked(self.backend, stacked, wait=False)  # type: ignore[arg-type]
         except BaseException as exc:  # noqa: BLE001 - the group's failure, as the device thread's future would hold it
             future = concurrent.futures.Future()
             future.set_exception(exc)
             future.add_done_callback(self._notify)
             return _Flight(group, future)
         if self.launches_ahead:
-            launched_at, behind = time.perf_counter(), bool(self._flights)
-            try:
-                launched = launch_stacked(self.backend, stacked, wait=False)  # type: ignore[arg-type]
-            except BaseException as exc:  # noqa: BLE001 - the group's failure, as above
-                future = concurrent.futures.Future()
-                future.set_exception(exc)
-                future.add_done_callback(self._notify)
-                return _Flight(group, future)
             self.stats.launched_ahead += launched is not None and behind
             future = self._device.submit(self._timed_result, stacked, launched, launched_at)
         else:
