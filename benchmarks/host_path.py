@@ -86,12 +86,13 @@ class InstantPositionsDevice(InstantDevice):
 
 
 class ModelledDevice(InstantDevice):
-    """The instant device, but each call takes (a sleep in the device's own thread, the GIL released, as a GPU call)
-    the time a model of the H200 gives it: ``fixed + per_row * B`` ms for a generator step of 24 frames on the batch
+    """The instant device, but each call takes (a sleep in the device's own thread, the GIL released, as a GPU call) the
+    time a model of the H200 gives it: ``fixed + per_row * B`` ms for a generator step of 24 frames on the batch
     ladder's padded ``B`` (scaled by frames / 24 for other sizes), ``f0_ms`` per F0 call. Its calls are launched and
-    waited for apart, as the compiled engine's (``launches_ahead`` with the compiled engine's step sizes). Defaults: the plain step graphs' CUDA graph
-    replays in ``gpu-h200-step.json`` (TF32 off: 4.77 ms at B = 1, 50.4 at 64, 163.4 at 256) and the F0 calls'
-    1.8 ms at K = 64 in ``load-h200-batched-slots.json``. For trying schedulers without a GPU: not a GPU figure."""
+    waited for apart, as the compiled engine's (``launches_ahead`` with the compiled engine's step sizes). Defaults: the
+    plain step graphs' CUDA graph replays in ``gpu-h200-step.json`` (TF32 off: 4.77 ms at B = 1, 50.4 at 64, 163.4 at
+    256) and the F0 calls' 1.8 ms at K = 64 in ``load-h200-batched-slots.json``. For trying schedulers without a GPU:
+    not a GPU figure."""
 
     name = "modelled-h200"
     LADDER = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -138,7 +139,7 @@ class ModelledDevice(InstantDevice):
         return self._launch(("final" if final else "generator", mel.shape[2]), self._step_ms(mel, f0, final), outputs,
                             wait)
 
-    def _launch(self, shape: tuple[str, int], ms: float, outputs: Any, wait: bool) -> "_ModelledCall | None":
+    def _launch(self, shape: tuple[str, int], ms: float, outputs: Any, wait: bool) -> _ModelledCall | None:
         """A call on the modelled device's one timeline (its thread: calls run one after another, in launch order),
         with the compiled engine's rule for its pinned buffers: one call pending per step shape (``wait=False``: None
         while the shape's last call runs)."""
