@@ -174,6 +174,9 @@ def main() -> None:
             if variant not in VARIANTS:
                 raise SystemExit(f"unknown variant {variant!r}: one of {', '.join(VARIANTS)}")
             options = VARIANTS[variant]
+            # Dynamo keeps a function's compiled code for the process: without a reset a variant would rerun the
+            # first variant's kernels (no compile, the same audio).
+            torch._dynamo.reset()
             backend = CompiledBackend(manifest, constants, device=args.device, precision=precision,
                                       slots=max(batches) + 8, batch_sizes=tuple(batches),
                                       step_sizes=tuple(frame_sizes))
