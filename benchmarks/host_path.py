@@ -5,10 +5,10 @@ figures.
     python benchmarks/host_path.py --artifacts DIR --out R.json --modes asyncio-loop --sizes compiled-final-window \
         --ks 256,1024   # the compiled engine's host path as its load tests drive it
 
-A stand-in backend returns zeros of the right shapes at once and keeps the generator caches as an opaque handle (as
-the CUDA path's device slots do), so what is timed is everything a push costs in this process besides the device:
-validation, the mel and F0 bookkeeping, the noise rows, and (``batched``) the hand-offs between the streams' threads
-and the batcher. K threads each push 40 chunks of 24 frames as fast as they can. Pushes per second bound the streams
+A stand-in backend returns zeros of the right shapes at once and keeps the generator caches (with the compiled
+engine's sizes, the F0 step's too) as an opaque handle (as the CUDA path's device slots do), so what is timed is
+everything a push costs in this process besides the device: validation, the mel and F0 bookkeeping, the noise rows,
+and (``batched``) the hand-offs between the streams' threads and the batcher. K threads each push 40 chunks of 24 frames as fast as they can. Pushes per second bound the streams
 one process can carry whatever the GPU does: a real-time stream pushes 2.08 times a second.
 """
 
@@ -56,7 +56,9 @@ class InstantDevice:
         return buffer[:rows]
 
     def new_caches(self, kind: str, batch: int = 1) -> Any:
-        return object() if kind == "generator" else {s.name: s.zeros(batch) for s in self.c.f0_caches}
+        if kind == "generator" or self.traits.f0_caches_in_place:  # a device slot's handle
+            return object()
+        return {s.name: s.zeros(batch) for s in self.c.f0_caches}
 
     def use_noise_table(self, noise) -> None:
         """Called where the device takes noise positions (its traits' ``noise_positions``): nothing to gather."""
@@ -190,10 +192,12 @@ def modelled_vocoder(constants, device: InstantDevice, batched: bool, max_wait_s
     from hift_runtime.streaming import StreamingVocoder
 
     step_sizes, f0_step_sizes = STEP_SIZES[sizes]
+    compiled = sizes != "ort"  # the compiled engine's sizes: its caches, both kinds, stay on the device as slots
     device.traits = EngineTraits(
-        step_sizes=step_sizes, f0_step_sizes=f0_step_sizes, noise_positions=sizes != "ort" or device.traits.noise_positions,
+        step_sizes=step_sizes, f0_step_sizes=f0_step_sizes, noise_positions=compiled or device.traits.noise_positions,
         final_window=max(step_sizes) + constants.mel_look_ahead if sizes in FINAL_WINDOW_SIZES else None,
-        launches_ahead=sizes != "ort" and isinstance(device, ModelledDevice))
+        caches_in_place=compiled, f0_caches_in_place=compiled,
+        launches_ahead=compiled and isinstance(device, ModelledDevice))
     vocoder = StreamingVocoder(device, constants, step_sizes=step_sizes)
     if batched:
         vocoder.scheduler = PushScheduler(device, max_batch=256, max_wait_s=max_wait_s,
