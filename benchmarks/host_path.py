@@ -5,11 +5,12 @@ figures.
     python benchmarks/host_path.py --artifacts DIR --out R.json --modes asyncio-loop --sizes compiled-final-window \
         --ks 256,1024   # the compiled engine's host path as its load tests drive it
 
-A stand-in backend returns zeros of the right shapes at once and keeps the generator caches (with the compiled
-engine's sizes, the F0 step's too) as an opaque handle (as the CUDA path's device slots do), so what is timed is
-everything a push costs in this process besides the device: validation, the mel and F0 bookkeeping, the noise rows,
-and (``batched``) the hand-offs between the streams' threads and the batcher. K threads each push 40 chunks of 24 frames as fast as they can. Pushes per second bound the streams
-one process can carry whatever the GPU does: a real-time stream pushes 2.08 times a second.
+A stand-in backend returns zeros of the right shapes at once and keeps the generator caches (with the compiled engine's
+sizes, the F0 step's too) as an opaque handle (as the CUDA path's device slots do), so what is timed is everything a
+push costs in this process besides the device: validation, the mel and F0 bookkeeping, the noise rows, and (``batched``)
+the hand-offs between the streams' threads and the batcher. K threads each push 40 chunks of 24 frames as fast as they
+can. Pushes per second bound the streams one process can carry whatever the GPU does: a real-time stream pushes 2.08
+times a second.
 """
 
 from __future__ import annotations
