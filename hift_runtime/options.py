@@ -40,7 +40,7 @@ class OrtOptions:
 class CompiledOptions:
     """The compiled engine's settings: the CUDA device; how many processes a first start compiles its step graphs in,
     side by side (1: in turn, in this process); the threads that choose cuDNN's algorithms at warmup (None: one per
-    8 GiB of free device memory, at most :data:`MAX_CUDNN_THREADS`)."""
+    9 GiB of free device memory, at most :data:`MAX_CUDNN_THREADS`)."""
 
     device_id: int = 0
     compile_processes: int = 5  # the default step sizes' graphs: four stream steps and the final step

@@ -45,8 +45,8 @@ from hift_runtime.process_tuning import HANDOFF_SWITCH_INTERVAL_S, switch_interv
 
 from .capture import CacheRows, CapturedCall, FinishedCall, HostMirrors, LaunchedCall, LaunchedStep
 from .compile_workers import compile_units, compiles_side_by_side, precompile, workers_device_bytes
-from .cudnn import (HEURISTIC_MODE_B_ENV, ChoosingThreads, cudnn_threads_for_memory, heuristic_mode_b_asked,
-                    use_heuristic_mode_b)
+from .cudnn import (HEURISTIC_MODE_B_ENV, ChoosingThreads, cudnn_threads_for_memory, failed_choices,
+                    heuristic_mode_b_asked, use_heuristic_mode_b)
 from .weights import load_folded
 
 log = logging.getLogger("hift_runtime")
@@ -431,15 +431,11 @@ class CompiledBackend:
                        say: Callable[[str], None]) -> None:
         """Wait for the choosing threads; one that failed (out of memory, say) is said: its shapes' captures then
         choose their algorithms themselves, as they would without it."""
-        failed = []
-        for future, group in zip(choosing, threads.groups):
-            exc = future.exception()
-            if exc is not None:
-                failed.append(f"{len(group)} shapes ({type(exc).__name__}: {exc})")
+        failed = failed_choices(choosing, threads.groups)  # (their tracebacks dropped: see there)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the eager activations' blocks: the captures allocate from their own pool
         if failed:
-            say(f"warmup: cuDNN's algorithms not chosen beforehand for {'; '.join(failed)}; their captures choose them")
+            say(f"warmup: cuDNN's algorithms not chosen beforehand for {failed}; their captures choose them")
         elif threads.groups:
             say(f"warmup: cuDNN's algorithms chosen for {len(threads.owner)} step shapes in {len(threads.groups)} "
                 f"threads ({time.perf_counter() - started:.0f} s since the start)")

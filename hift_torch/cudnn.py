@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import os
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -16,8 +17,9 @@ from hift_runtime.options import MAX_CUDNN_THREADS
 # Torch reads it once, at a process's first convolution that cuDNN's heuristics choose for (ATen's ConvUtils.h): the
 # engine sets it before its own first one, which is in time unless other convolutions ran before in the process.
 HEURISTIC_MODE_B_ENV = "TORCH_CUDNN_USE_HEURISTIC_MODE_B"
-# One choosing thread per this much free device memory (each holds its eager step's activations).
-CUDNN_THREAD_BYTES = 8 << 30
+# One choosing thread per this much free device memory (each holds its eager step's activations; BENCHMARKS.md,
+# decision log: a thread held 8.3-9 GiB on an H100).
+CUDNN_THREAD_BYTES = 9 << 30
 
 
 def use_heuristic_mode_b() -> bool:
@@ -36,6 +38,35 @@ def cudnn_threads_for_memory(free_bytes: int, at_most: int = MAX_CUDNN_THREADS, 
     left once ``others_bytes`` (what compile workers beside the warmup will hold) is kept aside, at least one, at
     most ``at_most``."""
     return max(1, min(at_most, (free_bytes - others_bytes) // CUDNN_THREAD_BYTES))
+
+
+def failed_choices(choosing: list[concurrent.futures.Future], groups: list[list[tuple[str, int, int]]]
+                   ) -> str | None:
+    """The choosing threads that failed, in one line (their shapes, how many threads, the first error's first line;
+    None: none failed). Each error's traceback is dropped here: its frames hold the failed eager step's activations
+    (gigabytes, for a thread out of memory), which would otherwise stay allocated through the captures that follow
+    and leave them no room."""
+    shapes, errors = 0, []
+    for future, group in zip(choosing, groups):
+        exc = future.exception()
+        if exc is not None:
+            shapes += len(group)
+            errors.append(f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}")
+            drop_tracebacks(exc)
+    if not errors:
+        return None
+    return f"{shapes} step shapes ({len(errors)} of {len(groups)} threads failed; the first: {errors[0]})"
+
+
+def drop_tracebacks(exc: BaseException | None) -> None:
+    """Clear the frames of ``exc``'s traceback and of the errors chained to it, and drop the tracebacks."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if exc.__traceback__ is not None:
+            traceback.clear_frames(exc.__traceback__)
+            exc.__traceback__ = None
+        exc = exc.__cause__ or exc.__context__
 
 
 class ChoosingThreads:
