@@ -60,9 +60,8 @@ def top(stacks: list[tuple[list[str], int]], n: int) -> dict[str, Any]:
         own[function(frames[-1], with_line=True)] += count
         for name in {function(f) for f in frames[1:]}:
             within[name] += count
-    share = lambda c: round(c / total, 3)  # noqa: E731
-    return {"samples": total, "self": {k: share(v) for k, v in own.most_common(n)},
-            "inclusive": {k: share(v) for k, v in within.most_common(n)}}
+    return {"samples": total, "self": {k: round(v / total, 3) for k, v in own.most_common(n)},
+            "inclusive": {k: round(v / total, 3) for k, v in within.most_common(n)}}
 
 
 def summarize(stacks: list[tuple[list[str], int]], rate_hz: float, run_seconds: float | None,
