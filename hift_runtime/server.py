@@ -25,6 +25,8 @@ from .server_cli import busy_port, invalid, local_http_url, parser
 from .serving import StreamTable
 from .streaming import StreamingVocoder
 
+# What Triton's load failure says when the model process died without raising (killed, out of memory).
+STUB_UNHEALTHY = "is not healthy"
 # The function Triton's Python-backend model opens the runtime with (None: the module's default, this module's
 # open_table); benchmarks/modelled_server.py names a stand-in device's.
 PYTHON_BACKEND_OPENER: str | None = None
@@ -138,10 +140,13 @@ def serve_python_backend(args: argparse.Namespace, argv: list[str], in_channels:
                 if process.poll() is None:
                     process.kill()  # nothing left to unload gracefully: the ports close at once (readiness fails)
                     process.wait()
-                print(f"hift-serve: error: the model process (pid {dead_model}, Triton's Python-backend stub) died"
-                      f"{also}; "
-                      f"the streams it held are lost (their clients cannot reach this server); stopping",
-                      file=sys.stderr, flush=True)
+                if announced:
+                    print(f"hift-serve: error: the model process (pid {dead_model}, Triton's Python-backend stub) "
+                          f"died{also}; the streams it held are lost (their clients cannot reach this server); "
+                          f"stopping", file=sys.stderr, flush=True)
+                    return 1
+                failed_log = log_file  # kept for the reader
+                print(died_before_ready(dead_model, log_file), file=sys.stderr, flush=True)
                 return 1
             if process.poll() is None:  # asked to stop: Triton unloads the model (its finalize) and exits
                 stop_processes([process], timeout_s=60)
@@ -149,8 +154,11 @@ def serve_python_backend(args: argparse.Namespace, argv: list[str], in_channels:
                 text = log_file.read_text(errors="replace") if log_file.is_file() else ""
                 why = load_failure(text, wire.MODEL_NAME)
                 failed_log = log_file  # kept for the reader
-                if why:  # the model's own message (a bad export, no CUDA, ...): what to fix, in one line
+                killed = dead_model is not None and (why is None or STUB_UNHEALTHY in why)
+                if why and not killed:  # the model's own message (a bad export, no CUDA, ...): what to fix, in one line
                     print(f"hift-serve: error: {why} (tritonserver's log: {log_file})", file=sys.stderr)
+                elif killed:  # it did not raise: it was killed (out of memory, a signal), and Triton gave it up
+                    print(died_before_ready(dead_model, log_file, why), file=sys.stderr)
                 else:
                     print(f"hift-serve: error: tritonserver exited with status {process.returncode}"
                           f"{' before the model was ready' if not announced else ''}; the end of its log "
@@ -167,6 +175,14 @@ def serve_python_backend(args: argparse.Namespace, argv: list[str], in_channels:
     return 0
 
 
+
+
+def died_before_ready(pid: int, log_file: Path, triton_says: str | None = None) -> str:
+    """The one-line error for a model process that died before its model was ready without raising an error (killed
+    or crashed): what Triton said, and its log (kept)."""
+    return (f"hift-serve: error: the model process (pid {pid}, Triton's Python-backend stub) died before the model "
+            f"was ready, while it opened the export or warmed up, without an error of its own (killed or crashed, as "
+            f"when memory runs out){f'; Triton: {triton_says}' if triton_says else ''} (tritonserver's log: {log_file})")
 
 
 def _watch(process: subprocess.Popen, folder: Path, stopping: list[int], announce: Callable[[], None],

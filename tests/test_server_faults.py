@@ -6,6 +6,7 @@ one's streams go on; a chunk resent after a client timeout is applied once."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,13 +33,18 @@ def _ports(processes: int = 1) -> list[int]:
             return ports
 
 
-def _start(artifacts: Path, ports: list[int], log: Path, *options: str) -> subprocess.Popen:
+def _start(artifacts: Path, ports: list[int], log: Path, *options: str, opener: str | None = None) -> subprocess.Popen:
+    """hift-serve on ``ports``; ``opener``: the model process opens the runtime with this ``module:function``."""
     http, grpc, metrics, state = ports
-    cmd = [sys.executable, "-m", "hift_runtime.server", "--artifacts", str(artifacts), "--device", "cpu",
+    launcher = ["-m", "hift_runtime.server"] if opener is None else [
+        "-c", f"import sys; from hift_runtime import server; server.PYTHON_BACKEND_OPENER = {opener!r}; "
+              f"sys.exit(server.main(sys.argv[1:]))"]
+    cmd = [sys.executable, *launcher, "--artifacts", str(artifacts), "--device", "cpu",
            "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
            "--state-metrics-port", str(state), "--max-batch", "8", "--max-streams", "16", *options]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     with open(log, "w") as out:
-        return subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True)
+        return subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True, env=env)
 
 
 def _wait_for(condition, timeout_s: float, what: str) -> None:
@@ -143,6 +149,27 @@ def test_killed_server_takes_its_children_along_and_a_dead_model_stops_the_next(
             stream.push(mel[:, 20:], end=True)
     finally:
         _stop(second)
+
+
+def test_a_model_process_dead_before_ready_stops_the_server_with_the_end_of_its_log(small_artifacts, tmp_path):
+    """The model process dies while it opens the runtime (as a warmup out of device memory can kill it): hift-serve
+    stops in one error that says so and shows the end of tritonserver's log, which it keeps; nothing is left."""
+    pytest.importorskip("pytriton", reason="hift-serve needs the [serve] extra (nvidia-pytriton)")
+    ports = _ports()
+    server = _start(small_artifacts.out, ports, tmp_path / "server.log", opener="tests.dying_opener:die_while_opening")
+    try:
+        assert server.wait(timeout=120) == 1
+    finally:
+        _stop(server)
+    log = (tmp_path / "server.log").read_text()
+    errors = [line for line in log.splitlines() if line.startswith("hift-serve: error:")]
+    assert len(errors) == 1, log[-3000:]
+    assert "the model process" in errors[0] and "died before the model was ready" in errors[0], errors[0]
+    assert "streams it held" not in errors[0], errors[0]
+    kept = [Path(word.strip("():")) for word in errors[0].split() if word.strip("():").endswith("triton.log")]
+    assert kept and kept[0].is_file(), errors[0]  # the log it names is kept for the reader
+    assert not _ready(ports[0]) and _all_free(ports)
+    shutil.rmtree(kept[0].parent, ignore_errors=True)
 
 
 def test_a_dead_process_of_several_is_started_again_and_the_other_streams_go_on(small_artifacts, tmp_path, cpu):
