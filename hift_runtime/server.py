@@ -155,10 +155,10 @@ def serve_python_backend(args: argparse.Namespace, argv: list[str], in_channels:
                 why = load_failure(text, wire.MODEL_NAME)
                 failed_log = log_file  # kept for the reader
                 killed = dead_model is not None and (why is None or STUB_UNHEALTHY in why)
-                if why and not killed:  # the model's own message (a bad export, no CUDA, ...): what to fix, in one line
-                    print(f"hift-serve: error: {why} (tritonserver's log: {log_file})", file=sys.stderr)
-                elif killed:  # it did not raise: it was killed (out of memory, a signal), and Triton gave it up
+                if killed:  # it did not raise: it was killed (out of memory, a signal), and Triton gave it up
                     print(died_before_ready(dead_model, log_file, why), file=sys.stderr)
+                elif why:  # the model's own message (a bad export, no CUDA, ...): what to fix, in one line
+                    print(f"hift-serve: error: {why} (tritonserver's log: {log_file})", file=sys.stderr)
                 else:
                     print(f"hift-serve: error: tritonserver exited with status {process.returncode}"
                           f"{' before the model was ready' if not announced else ''}; the end of its log "

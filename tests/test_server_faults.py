@@ -151,9 +151,9 @@ def test_killed_server_takes_its_children_along_and_a_dead_model_stops_the_next(
         _stop(second)
 
 
-def test_a_model_process_dead_before_ready_stops_the_server_with_the_end_of_its_log(small_artifacts, tmp_path):
+def test_a_model_process_dead_before_ready_stops_the_server_naming_its_log(small_artifacts, tmp_path):
     """The model process dies while it opens the runtime (as a warmup out of device memory can kill it): hift-serve
-    stops in one error that says so and shows the end of tritonserver's log, which it keeps; nothing is left."""
+    stops in one error that says so and names tritonserver's log, which it keeps; nothing is left listening."""
     pytest.importorskip("pytriton", reason="hift-serve needs the [serve] extra (nvidia-pytriton)")
     ports = _ports()
     server = _start(small_artifacts.out, ports, tmp_path / "server.log", opener="tests.dying_opener:die_while_opening")
