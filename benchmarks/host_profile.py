@@ -73,16 +73,18 @@ def summarize(stacks: list[tuple[list[str], int]], rate_hz: float, run_seconds: 
     for frames, count in stacks:
         name = thread_name(frames[0])
         if name == "MainThread":
-            name = "MainThread (in the runs)" if any(f" {window} " in f" {f} " or f.startswith(window + " ")
-                                                     for f in frames) else "MainThread (start, warmup)"
+            in_runs = any(f.startswith(window + " ") for f in frames)  # a frame is "function (file:line)"
+            name = "MainThread (in the runs)" if in_runs else "MainThread (start, warmup)"
         by_thread[name].append((frames, count))
     out: dict[str, Any] = {"rate_hz": rate_hz, "run_seconds": run_seconds, "threads": {}}
-    for name, group in sorted(by_thread.items(), key=lambda kv: -sum(c for _, c in kv[1])):
-        samples = sum(c for _, c in group)
+    counts = {name: sum(c for _, c in group) for name, group in by_thread.items()}
+    everything = sum(counts.values())
+    for name, group in sorted(by_thread.items(), key=lambda kv: -counts[kv[0]]):
+        samples = counts[name]
         row: dict[str, Any] = {"samples": samples, "seconds": round(samples / rate_hz, 1)}
         if run_seconds and name in RUN_THREADS:
             row["share_of_the_runs"] = round(samples / rate_hz / run_seconds, 3)
-        if samples >= 0.01 * sum(c for _, c in stacks):
+        if samples >= 0.01 * everything:
             row.update(top(group, n))
         out["threads"][name] = row
     return out
