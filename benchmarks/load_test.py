@@ -213,9 +213,9 @@ def triton_this_run(before: dict[str, float], after: dict[str, float]) -> dict[s
             "mean_compute_ms": round(d["compute_us"] / d["successes"] / 1e3, 3) if d["successes"] else 0.0}
 
 
-def _counters(vocoder) -> dict[str, dict[str, list[float]]] | None:
-    """The scheduler's calls/batches/busy seconds by kind and by step shape ("kind@mel frames"), copied (a later run
-    must not change a reported row)."""
+def _counters(vocoder) -> dict[str, dict[str, Any]] | None:
+    """The scheduler's calls/batches/busy seconds by kind and by step shape ("kind@mel frames"), and its batches by
+    size for each shape, copied (a later run must not change a reported row)."""
     if isinstance(vocoder, _Served):
         counters = vocoder.scheduler_counters()
         return {"by_kind": counters["by_kind"]}
@@ -223,17 +223,40 @@ def _counters(vocoder) -> dict[str, dict[str, list[float]]] | None:
     if stats is None:
         return None
     return {"by_kind": {kind: list(v) for kind, v in stats.by_kind.items()},
-            "by_shape": {shape: list(v) for shape, v in getattr(stats, "by_shape", {}).items()}}
+            "by_shape": {shape: list(v) for shape, v in getattr(stats, "by_shape", {}).items()},
+            "batch_sizes": {shape: dict(v) for shape, v in getattr(stats, "batch_sizes", {}).items()}}
 
 
-def _counted_since(before: dict[str, dict[str, list[float]]] | None, after: dict[str, dict[str, list[float]]] | None
-                   ) -> dict[str, dict[str, list[float]]] | None:
-    """What :func:`_counters` counted between ``before`` and ``after``: this run's calls, batches and busy seconds."""
+BATCH_SIZE_BINS = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256)
+
+
+def batches_by_size(before: dict[str, dict[int, int]], after: dict[str, dict[int, int]]) -> dict[str, dict[str, int]]:
+    """This run's batches of each step shape by size, binned ("<=8": sizes 5 to 8; past the last bin, its own)."""
+    binned: dict[str, dict[str, int]] = {}
+    for shape, sizes in after.items():
+        row: dict[str, int] = {}
+        for size, count in sorted(sizes.items()):
+            count -= before.get(shape, {}).get(size, 0)
+            if count:
+                label = f"<={next((b for b in BATCH_SIZE_BINS if b >= size), size)}"
+                row[label] = row.get(label, 0) + count
+        if row:
+            binned[shape] = row
+    return binned
+
+
+def _counted_since(before: dict[str, dict[str, Any]] | None, after: dict[str, dict[str, Any]] | None
+                   ) -> dict[str, dict[str, Any]] | None:
+    """What :func:`_counters` counted between ``before`` and ``after``: this run's calls, batches and busy seconds,
+    and its batches by size (``batches_by_size``)."""
     if before is None or after is None:
         return None
-    return {f"calls_batches_busy_s_{group}": {
+    counted: dict[str, Any] = {f"calls_batches_busy_s_{group}": {
         key: [round(v - w, 4) for v, w in zip(counts, before[group].get(key, [0, 0, 0.0]))]
-        for key, counts in after[group].items()} for group in after}
+        for key, counts in after[group].items()} for group in after if group != "batch_sizes"}
+    if "batch_sizes" in after:
+        counted["batches_by_size"] = batches_by_size(before.get("batch_sizes", {}), after["batch_sizes"])
+    return counted
 
 
 # CosyVoice3's tts(stream=True): a hop of 25 tokens doubling to 100, two mel frames a token; the last chunk the rest.

@@ -74,6 +74,9 @@ class BatchStats:
     # The same by step shape, "kind@mel frames" (the step's frames plus its look-ahead): what each step size costs
     # the device, e.g. a stream's short edge steps against its full ones.
     by_shape: dict[str, list[float]] = field(default_factory=dict)
+    # By step shape, how many batches had each size (at most max_batch sizes a shape): whether the calls are few and
+    # full, or many and small (each call's fixed cost paid again).
+    batch_sizes: dict[str, dict[int, int]] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -523,6 +526,8 @@ class PushScheduler:
             counter[0] += len(flight.group)
             counter[1] += 1
             counter[2] += busy
+        sizes = st.batch_sizes.setdefault(f"{kind_name}@{mel_frames}", {})
+        sizes[len(flight.group)] = sizes.get(len(flight.group), 0) + 1
         for p, result in zip(flight.group, results):
             self._send(p, result, ready)
 

@@ -502,6 +502,10 @@ def test_busy_time_keeps_short_calls(cpu):
         shapes = [v for key, v in stats.by_shape.items() if key.split("@")[0] == kind]
         assert len(shapes) >= (2 if kind == "generator" else 1)
         assert [sum(v[i] for v in shapes) for i in range(3)] == pytest.approx(counts, rel=1e-9)
+    # Each shape's batches by size add up to its batches and calls (one stream: every batch of one call).
+    assert stats.batch_sizes.keys() == stats.by_shape.keys()
+    for shape, sizes in stats.batch_sizes.items():
+        assert sizes == {1: stats.by_shape[shape][1]} and stats.by_shape[shape][0] == stats.by_shape[shape][1]
     vocoder.close()
 
 
@@ -642,6 +646,7 @@ def test_a_batch_never_exceeds_max_batch(cpu):
     assert all(isinstance(v, np.ndarray) for v in outcome.values()), outcome
     stats = vocoder.scheduler.stats
     assert stats.max_batch == 2 and stats.by_shape["f0@20"][:2] == [5, 3]
+    assert stats.batch_sizes["f0@20"] == {2: 2, 1: 1}  # five calls of one shape: two full batches and one alone
     vocoder.close()
 
 
