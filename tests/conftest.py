@@ -84,6 +84,9 @@ _EXPORTS: dict[str, tuple[Path, object]] = {}
 _EXPORTS_LOCK = threading.Lock()  # the full-size export may be started from a thread
 _EXPORTS_CLOSED = threading.Event()  # set at the session's end: no export starts after it
 _EXPORT_ARGS = {"small": ["--reduced"], "full": ["--checkpoint", str(CHECKPOINT)]}
+# Set when both exports are needed: a test that has to wait for the reduced export starts the full-size one at once
+# (the tests then hold no core: the two exports take one each).
+_FULL_WHEN_WAITED = threading.Event()
 
 
 def _exports_needed(item) -> int:
@@ -104,8 +107,8 @@ def pytest_collection_modifyitems(session, config, items) -> None:
 def pytest_collection_finish(session) -> None:
     """Start the exports the collected tests need in background processes as soon as the tests are known. The reduced
     export runs first, beside the tests that need no export; the full-size one starts when it ends, beside the tests
-    on the reduced one (each export is one busy thread: side by side at the start they left the tests nothing to run,
-    one after the other each has a core of its own)."""
+    on the reduced one, or earlier, once a test waits for the reduced one (each export is one busy thread: side by
+    side at the start they left the tests nothing to run, one after the other each has a core of its own)."""
     if session.config.option.collectonly:
         return
     ranks = {_exports_needed(item) for item in session.items}
@@ -113,6 +116,7 @@ def pytest_collection_finish(session) -> None:
               if rank in ranks and (which == "small" or HAVE_FIXTURES)}
     if needed == {"small", "full"}:
         _start_export("small", threads=1)
+        _FULL_WHEN_WAITED.set()
 
         def full_after_small() -> None:
             _EXPORTS["small"][1].wait()  # type: ignore[attr-defined]
@@ -161,6 +165,8 @@ def _finished_export(which: str):
 
     _start_export(which)
     out, process = _EXPORTS[which]
+    if which == "small" and _FULL_WHEN_WAITED.is_set() and process.poll() is None:  # type: ignore[attr-defined]
+        _start_export("full", threads=1)
     output, _ = process.communicate(timeout=1800)  # type: ignore[attr-defined]
     assert process.returncode == 0, output[-3000:]  # type: ignore[attr-defined]
     return SimpleNamespace(out=out, manifest=json.loads((out / "manifest.json").read_text()), output=output)
