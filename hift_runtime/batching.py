@@ -517,17 +517,17 @@ class PushScheduler:
             return
         st = self.stats
         kind_name, mel_frames = flight.group[0].call.key  # type: ignore[union-attr]
+        shape, size = f"{kind_name}@{mel_frames}", len(flight.group)
         st.busy_s += busy
-        st.calls += len(flight.group)
+        st.calls += size
         st.batches += 1
-        st.max_batch = max(st.max_batch, len(flight.group))
-        for counter in (st.by_kind.setdefault(kind_name, [0, 0, 0.0]),
-                        st.by_shape.setdefault(f"{kind_name}@{mel_frames}", [0, 0, 0.0])):
-            counter[0] += len(flight.group)
+        st.max_batch = max(st.max_batch, size)
+        for counter in (st.by_kind.setdefault(kind_name, [0, 0, 0.0]), st.by_shape.setdefault(shape, [0, 0, 0.0])):
+            counter[0] += size
             counter[1] += 1
             counter[2] += busy
-        sizes = st.batch_sizes.setdefault(f"{kind_name}@{mel_frames}", {})
-        sizes[len(flight.group)] = sizes.get(len(flight.group), 0) + 1
+        sizes = st.batch_sizes.setdefault(shape, {})
+        sizes[size] = sizes.get(size, 0) + 1
         for p, result in zip(flight.group, results):
             self._send(p, result, ready)
 
