@@ -30,7 +30,7 @@ from .targets import ARTIFACT_FILES, ExportError, example_f0_step_inputs, exampl
 # Random* ops are absent on purpose (no CUDA kernel / irreproducible); tests check graphs against this list.
 CUDA_OP_ALLOWLIST = frozenset({
     "Add", "Cast", "Clip", "Concat", "Conv", "ConvTranspose", "Cos", "CumSum", "Div", "Exp", "Expand", "Floor",
-    "Gather", "Greater", "LeakyRelu", "MatMul", "Min", "Mul", "Pow", "Reshape", "Shape", "Sin", "Slice", "Squeeze",
+    "Gather", "Greater", "LeakyRelu", "MatMul", "Min", "Mul", "Pad", "Pow", "Reshape", "Shape", "Sin", "Slice", "Squeeze",
     "Sub", "Tanh", "Transpose", "Unsqueeze", "Where", "Neg", "Identity", "Constant", "ConstantOfShape",
 })
 # The slot form adds reading and writing the pool rows (hift_export/slots.py).

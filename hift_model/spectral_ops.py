@@ -48,6 +48,19 @@ def _dft_basis(n_fft: int) -> tuple[np.ndarray, np.ndarray]:
     return np.cos(angle), np.sin(angle)
 
 
+def overlap_add(taps: torch.Tensor, hop: int) -> torch.Tensor:
+    """Overlap-add of frames given tap by tap: ``taps [B, n, F]`` (tap ``i`` of frame ``t`` lands on sample
+    ``hop*t + i``; ``n`` a multiple of ``hop``) -> ``[B, 1, hop*(F-1) + n]``, what ``conv_transpose1d`` with stride
+    ``hop`` sums. Shifted adds of ``n/hop`` slices: elementwise, so a compiler fuses it (cuDNN ran the transposed
+    convolution as a slow backward-data kernel of its own)."""
+    per_frame, frames = taps.shape[1] // hop, taps.shape[2]
+    parts = taps.reshape(-1, per_frame, hop, frames)  # tap j*hop + r of frame t: [B, j, r, t]
+    out = F.pad(parts[:, 0], (0, per_frame - 1))
+    for j in range(1, per_frame):
+        out = out + F.pad(parts[:, j], (j, per_frame - 1 - j))  # [B, hop, F + per_frame - 1]
+    return out.transpose(1, 2).reshape(-1, 1, hop * (frames + per_frame - 1))
+
+
 class SpectralOps(nn.Module):
     """Forward STFT of the source (``[B, 1, L] -> [B, 2*bins, L/hop+1]``, real bins then imaginary bins) and the
     iSTFT head (magnitude, phase ``[B, bins, F] -> [B, hop*(F-1)]``), centred like ``torch.stft(center=True)``."""
@@ -71,6 +84,10 @@ class SpectralOps(nn.Module):
         self.register_buffer("stft_kernel", torch.from_numpy(stft_kernel.astype(np.float32)), persistent=False)
         self.register_buffer("istft_kernel", torch.from_numpy(istft_kernel.astype(np.float32)), persistent=False)
         self.register_buffer("window_sq", (window.double() ** 2).float().view(1, 1, n_fft), persistent=False)
+        # The same two kernels as per-tap weights of a 1x1 convolution (tap n of frame t lands on sample hop*t + n):
+        # the stateful step's iSTFT as a forward convolution and an overlap-add (:func:`overlap_add`).
+        self.register_buffer("istft_taps", self.istft_kernel[:, 0, :].t().contiguous()[:, :, None], persistent=False)
+        self.register_buffer("window_sq_taps", self.window_sq.view(1, n_fft, 1), persistent=False)
 
     def stft(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[B, 1, L]`` -> ``[B, 2*bins, L//hop + 1]``."""

@@ -41,6 +41,7 @@ from .config import HiFTConfig
 from .f0_predictor import CausalF0Predictor, matmul_conv
 from .generator import CausalHiFTGenerator
 from .layers import CausalConv1d, Conv1d, ResBlock, nearest_upsample
+from .spectral_ops import overlap_add
 
 # The step's alignment, beyond the config's look-aheads: a step over frames [a, a+c) reads the source of frame a+c
 # (its last STFT frame needs 8 samples of it), and its audio lags by one frame (the iSTFT's overlap).
@@ -262,12 +263,12 @@ def generator_step(gen: CausalHiFTGenerator, mel: torch.Tensor, f0: torch.Tensor
         stft_frames = frames.reshape(-1, 1, 1) * (spf // cfg.hop_len) + (1 if final else 0)
         exists_here = (torch.arange(x.shape[-1], device=x.device) < stft_frames).to(x.dtype)
         spectrum = torch.where(exists_here > 0, spectrum, 0.0)  # not a product: 0 * inf of a row's garbage is NaN
-    y = F.conv_transpose1d(spectrum, gen.spectral.istft_kernel, stride=cfg.hop_len)  # [B, 1, 4F + 12]
+    y = overlap_add(F.conv1d(spectrum, gen.spectral.istft_taps), cfg.hop_len)  # [B, 1, 4F + 12]
     overlap = cfg.n_fft - cfg.hop_len
     y = torch.cat([y[..., :overlap] + caches["istft_tail"], y[..., overlap:]], dim=-1)
     before = overlap // cfg.hop_len  # frames before this step that still reach its samples (3)
     exists = torch.cat([torch.where(first3, 0.0, 1.0).expand(-1, 1, before), exists_here], dim=-1)
-    envelope = F.conv_transpose1d(exists, gen.spectral.window_sq, stride=cfg.hop_len)[..., overlap:]
+    envelope = overlap_add(exists * gen.spectral.window_sq_taps, cfg.hop_len)[..., overlap:]
     # The envelope is 0 only at the utterance's very first sample (where y is 0 too), inside the centring trim: a
     # floor there keeps 0/0 out of the discarded samples and changes no other value (the next smallest is 1.4e-3).
     envelope = torch.clamp(envelope, min=1e-11)
