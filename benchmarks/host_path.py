@@ -174,11 +174,11 @@ class _ModelledCall:
 
 
 # Step sizes of the stand-in: the ORT engine's, the compiled engine's (hift_torch.compiled: its F0 at every size up to
-# 25 frames and at F0_SIZES_PAST_THE_STEP), or the compiled engine's generator sizes for the F0 too (as before it
+# 26 frames and past it), or the compiled engine's generator sizes for the F0 too (as before it
 # captured its F0 apart). The compiled ones take noise positions, as that engine does (its noise table on the device).
 STEP_SIZES = {"ort": ((24, 16, 8, 4, 2, 1), None),
-              "compiled": ((24, 8, 4, 1), (100, 76, 50, 38, 26, *range(25, 0, -1))),
-              "compiled-f0-split": ((24, 8, 4, 1), None)}
+              "compiled": ((25, 24, 8, 4, 1), (100, 74, 50, 38, *range(26, 0, -1))),
+              "compiled-f0-split": ((25, 24, 8, 4, 1), None)}
 STEP_SIZES["compiled-final-window"] = STEP_SIZES["compiled"]
 # The sizes whose stand-in has the final window, sized as the compiled engine sizes it on CUDA (its largest step plus
 # the mel look-ahead: a stream's last push is its F0 call and one final call).

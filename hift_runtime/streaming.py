@@ -559,14 +559,16 @@ class VocoderStream:
         # 1. F0 of the frames that became computable (all remaining ones, with zero look-ahead, on finish): its calls
         # are planned here and made as the generator's steps need them, so a step's audio goes out after the F0 it
         # reads, not after a long chunk's whole F0 (the same calls in the same order: the same values). On an engine
-        # with F0 sizes past one step's F0, a call that large would hold back the push's first audio: the first calls
-        # cover what the first step reads, and the rest follows in as few calls as the sizes allow (a 200-frame
-        # chunk's F0 in three calls, not eight).
+        # with F0 sizes past one step's F0, a call that large would hold back the push's first audio: the first call
+        # is one step's F0 (what the largest step reads, where the push has that much: the first calls of every
+        # push then share one shape and batch together under load, an utterance's first or not), and the rest
+        # follows in as few calls as the sizes allow (a 200-frame chunk's F0 in three calls, not eight).
         f0_sizes_left = split_steps(target - f0_end, f0_sizes, max_step) if target > f0_end else []
         one_step = self._v.steps_before_final_window
-        if step_plan and one_step is not None and f0_sizes_left and \
-                f0_sizes_left[0] > one_step + c.source_look_ahead:
-            first_need = max(f0_end, min(target, position + step_plan[0] + c.source_look_ahead))
+        one_step_f0 = None if one_step is None else one_step + c.source_look_ahead
+        if step_plan and one_step_f0 is not None and f0_sizes_left and f0_sizes is not None and \
+                one_step_f0 in f0_sizes and f0_sizes_left[0] > one_step_f0:
+            first_need = min(target, max(position + step_plan[0] + c.source_look_ahead, f0_end + one_step_f0))
             f0_sizes_left = split_steps(first_need - f0_end, f0_sizes, max_step) + \
                 split_steps(target - first_need, f0_sizes, max_step)
         f0_window = mel[:, f0_end - base:]  # frames [f0_end, target + look-ahead)

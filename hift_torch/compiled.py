@@ -56,15 +56,18 @@ log = logging.getLogger("hift_runtime")
 # lone stream runs padded to 2.
 BATCH_SIZES = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # Each step size is a compile of its own (a dynamic frame axis recompiles at every size threshold of the
-# convolutions anyway), so few: a 24-frame chunk stream meets 24, and 8 + 8 + 4 at its start.
-STEP_SIZES = (24, 8, 4, 1)
+# convolutions anyway), so few: a 24-frame chunk stream meets 24, and 8 + 8 + 4 at its start; CosyVoice3's 100- and
+# 200-frame chunks are whole 25-frame steps (4 and 8 calls, where 24-frame steps leave an 8- or 4-frame call more).
+STEP_SIZES = (25, 24, 8, 4, 1)
 # Dynamo keeps this many compiles of one function before it falls back to eager without a word; ours are counted.
 RECOMPILE_LIMIT = 64
-# The F0 step's sizes past the stream step's: after the F0 its first step reads, the rest of a push's F0 goes in as
-# few calls as these allow (of CosyVoice3's 50-, 100- and 200-frame chunks: 26, 76 and 100 + 76 frames). At most 100:
-# the F0 step costs about a fifth of the generator's per frame (BENCHMARKS.md), so one call holds the device no longer
-# than a 24-frame generator batch of the same streams.
-F0_SIZES_PAST_THE_STEP = (26, 38, 50, 76, 100)
+# The F0 step's sizes past one step's F0 (the largest step plus its source look-ahead): after a push's first F0 call
+# (one step's F0), the rest goes in as few calls as these allow (of CosyVoice3's 100- and 200-frame chunks: 100 less
+# one step's F0, and 100 more). At most 100: the F0 step costs about a fifth of the generator's per frame
+# (BENCHMARKS.md), so one call holds the device no longer than a 24-frame generator batch of the same streams.
+F0_SIZES_PAST_THE_STEP = (38, 50, 100)
+# The stream step's window where there is one (fp32): 24-frame chunks in one call each, unpadded.
+STEP_WINDOW_FRAMES = 24
 # The generator's convolution layout per precision (BENCHMARKS.md, decision log: channels-last is fp16's only).
 CONV_LAYOUT = {"fp32": "channels-first", "tf32": "channels-first", "fp16": "channels-last"}
 # Where the stream step is one graph over its window (BENCHMARKS.md, decision log: fp32 only).
@@ -116,17 +119,19 @@ class CompiledBackend:
         self.cuda_graphs = cuda_graphs and self.on_cuda
         self.step_sizes = step_sizes if self.on_cuda else None
         largest = max(step_sizes or STEP_SIZES)
-        final_window = self.cuda_graphs and bool(step_sizes) if final_window is None else final_window
-        self.final_window_frames = largest + constants.mel_look_ahead if final_window else None
         step_window = self.cuda_graphs and bool(step_sizes) and STEP_WINDOW[precision] if step_window is None \
             else step_window
+        if step_window:  # every stream step is one graph of the window: the largest step there is
+            largest = STEP_WINDOW_FRAMES
         self.step_window_frames = largest if step_window else None
+        final_window = self.cuda_graphs and bool(step_sizes) if final_window is None else final_window
+        self.final_window_frames = largest + constants.mel_look_ahead if final_window else None
         # The F0 step (eager, float64, cheap to capture) at every size up to the largest step plus its source
         # look-ahead, so a step's F0 is one call and an utterance's first step (which reads one frame's F0 beyond it)
         # waits for one F0 call, not two; and at the sizes past it, for the rest of a long push's F0.
         one_step_f0 = largest + constants.source_look_ahead
-        self.f0_step_sizes = tuple(sorted({*range(1, one_step_f0 + 1), *F0_SIZES_PAST_THE_STEP}, reverse=True)) \
-            if self.on_cuda and step_sizes else None
+        self.f0_step_sizes = tuple(sorted({*range(1, one_step_f0 + 1), *F0_SIZES_PAST_THE_STEP,
+                                           100 - one_step_f0}, reverse=True)) if self.on_cuda and step_sizes else None
         self.batch_sizes = tuple(sorted(set(batch_sizes))) if self.on_cuda else (1,)
         # A call is a graph replay and its wait: short enough for a quiet lone push's calls to be made in the
         # scheduling thread; an eager call on the CPU is not. Every call takes this engine's own lock. A replay is

@@ -171,10 +171,13 @@ def test_streams_ending_in_the_final_window_equal_the_ort_engine(small_artifacts
     utterance of 1 frame whose first push is its last, a finish longer than the window) equal the ONNX Runtime
     engine's; a last push of up to 24 new frames is one generator call, and with the step window so is every push of
     up to 24."""
-    sizes = (24, 8, 4, 1)
+    from hift_torch.compiled import STEP_SIZES
+
+    sizes = STEP_SIZES
     windowed = compiled_vocoder(small_artifacts.out, batching=True, step_sizes=sizes, final_window=True,
                                 step_window=step_window)
-    assert windowed.backend.final_window_frames == 28 and windowed.final_window == 28
+    window = (24 if step_window else 25) + windowed.constants.mel_look_ahead  # the largest step's, plus the look-ahead
+    assert windowed.backend.final_window_frames == window and windowed.final_window == window
     assert windowed.step_window == (24 if step_window else None)
     # (frames, pushes before the finish): the finish gets the rest
     cases = [(250, [24] * 10), (1, []), (3, []), (27, []), (28, []), (29, []), (70, []), (52, [24]), (45, [8, 16]),
@@ -200,7 +203,7 @@ def test_streams_ending_in_the_final_window_equal_the_ort_engine(small_artifacts
         assert max_abs(audio, want) <= TOLERANCE, cases[i]
         if last_frames <= 24:
             assert last_calls == 1, cases[i]
-    assert windowed.scheduler.stats.by_shape["final@28"][0] == len(cases)
+    assert windowed.scheduler.stats.by_shape[f"final@{window}"][0] == len(cases)
     assert windowed.backend.slots_in_use == 0
     windowed.close()
     if step_window:
@@ -583,7 +586,7 @@ def test_the_step_window_is_fp32s_default_where_cuda_graphs_are_captured(compile
     manifest, constants = compiled_cpu.backend.manifest, compiled_cpu.constants
     assert compiled.CompiledBackend(manifest, constants, device="cpu", compile=False).step_window_frames is None
     asked = compiled.CompiledBackend(manifest, constants, device="cpu", compile=False, step_window=True)
-    assert asked.step_window_frames == max(compiled.STEP_SIZES)
+    assert asked.step_window_frames == compiled.STEP_WINDOW_FRAMES == 24  # 24-frame chunks unpadded
 
 
 @pytest.mark.parametrize("fail", [False, True])

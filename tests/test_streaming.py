@@ -260,32 +260,43 @@ def test_f0_sizes_past_the_largest_step_put_an_utterances_first_step_after_one_f
 
 
 def test_f0_sizes_past_one_steps_f0_make_a_long_chunks_f0_few_calls_after_its_first_steps(small_artifacts):
-    """F0 step sizes past one step's F0 (the compiled engine's on CUDA): a push's first F0 call still covers only what
-    its first step reads (a bigger call would hold back its first audio), and the rest of its F0 goes in as few calls
-    as the sizes allow: CosyVoice3's 200-frame chunk is 24 + 100 + 76 frames' F0 in three calls, not eight; its
-    100-frame chunk 24 + 76; the audio equals the offline pass."""
+    """The compiled engine's sizes on CUDA (steps of 25 and 24 frames, F0 at every size up to one step's F0 and past
+    it): every push's first F0 call is one step's F0 (26 frames: one shape, so the first calls of an utterance's
+    first push and of a later one batch together; a bigger call would hold back its first audio), and the rest of
+    its F0 goes in as few calls as the sizes allow: CosyVoice3's 200-frame chunk is 26 + 100 + 74 frames' F0 in three
+    calls, not eight, and 8 steps of 25 frames; its 100-frame chunk 26 + 74 and 4 steps; the audio equals the offline
+    pass."""
     from hift_runtime import StreamingVocoder
+    from hift_torch.compiled import F0_SIZES_PAST_THE_STEP, STEP_SIZES
 
     opened = open_vocoder(small_artifacts.out, device="cpu")
     backend, constants = opened.backend, opened.constants
     la = constants.f0_look_ahead
-    backend.traits = dataclasses.replace(backend.traits, f0_step_sizes=(100, 76, 50, 38, 26, *range(25, 0, -1)))
+    one_step_f0 = max(STEP_SIZES) + constants.source_look_ahead
+    backend.traits = dataclasses.replace(backend.traits, f0_step_sizes=tuple(sorted(
+        {*range(one_step_f0, 0, -1), *F0_SIZES_PAST_THE_STEP, 100 - one_step_f0}, reverse=True)))
     calls: list[str] = []
     f0_step, generator_step = backend.f0_step, backend.generator_step
     f0_frames: list[int] = []
+    gen_frames: list[int] = []
     backend.f0_step = lambda mel, caches: calls.append("f0") or f0_frames.append(mel.shape[2] - la) or \
         f0_step(mel, caches)
-    backend.generator_step = lambda *a: calls.append("gen") or generator_step(*a)
-    vocoder = StreamingVocoder(backend, constants, step_sizes=(24, 8, 4, 1))
+    look_ahead = constants.mel_look_ahead
+    backend.generator_step = lambda mel, *a: calls.append("gen") or gen_frames.append(mel.shape[2] - look_ahead) or \
+        generator_step(mel, *a)
+    vocoder = StreamingVocoder(backend, constants, step_sizes=STEP_SIZES)
     mel = random_mel(400, 43)
     stream = vocoder.stream()
     pieces = [stream.push(mel[:, :50])]
-    assert calls[:2] == ["f0", "gen"] and f0_frames == [25, 22]  # 47 frames: never one 38 + 9 before the first step
-    for chunk, rest in (((50, 150), [76]), ((150, 350), [100, 76])):
+    assert calls[:2] == ["f0", "gen"] and f0_frames == [26, 21]  # 47 frames: never one 38 + 9 before the first step
+    assert gen_frames == [25, 8, 8, 4, 1]  # 46 frames (the mel look-ahead's 4 wait)
+    for chunk, rest, steps in (((50, 150), [74], 4), ((150, 350), [100, 74], 8)):
         calls.clear()
         f0_frames.clear()
+        gen_frames.clear()
         pieces.append(stream.push(mel[:, chunk[0]:chunk[1]]))
-        assert calls[:3] == ["f0", "gen", "f0"] and f0_frames == [24, *rest]
+        assert calls[:3] == ["f0", "gen", "f0"] and f0_frames == [26, *rest]
+        assert gen_frames == [25] * steps
     pieces.append(stream.finish(mel[:, 350:]))
     assert_equal_to_offline(np.concatenate(pieces), vocoder.vocode(mel))
 
