@@ -715,8 +715,8 @@ def main() -> None:
                         "echo: no runtime at all (Triton and the front end alone)")
     p.add_argument("--modelled-step-sizes", choices=sorted(STEP_SIZES), default="ort",
                    help="step sizes of the modelled configs and a served stand-in: the ORT engine's (default), the "
-                        "compiled engine's (F0 at every size up to 24, noise positions), or its generator sizes for "
-                        "the F0 too")
+                        "compiled engine's (F0 at every size up to one step's F0 and past it, noise positions), or its "
+                        "generator sizes for the F0 too")
     p.add_argument("--step-ms", help="FIXED,PER_ROW,F0,FINAL ms of the modelled device (modelled configs, "
                                      "--served-device-model modelled); default: the ORT engine's H200 figures")
     args = p.parse_args()
