@@ -29,9 +29,9 @@ from .targets import ARTIFACT_FILES, ExportError, example_f0_step_inputs, exampl
 # Every op the generator graphs may contain: each has a CUDA EP kernel for the types used here. STFT, DFT and the
 # Random* ops are absent on purpose (no CUDA kernel / irreproducible); tests check graphs against this list.
 CUDA_OP_ALLOWLIST = frozenset({
-    "Add", "Cast", "Clip", "Concat", "Conv", "ConvTranspose", "Cos", "CumSum", "Div", "Exp", "Expand", "Floor",
-    "Gather", "Greater", "LeakyRelu", "MatMul", "Min", "Mul", "Pad", "Pow", "Reshape", "Shape", "Sin", "Slice", "Squeeze",
-    "Sub", "Tanh", "Transpose", "Unsqueeze", "Where", "Neg", "Identity", "Constant", "ConstantOfShape",
+    "Add", "Cast", "Clip", "Concat", "Conv", "Cos", "CumSum", "Div", "Exp", "Expand", "Floor", "Gather", "Greater",
+    "LeakyRelu", "MatMul", "Min", "Mul", "Pad", "Pow", "Reshape", "Shape", "Sin", "Slice", "Squeeze", "Sub", "Tanh",
+    "Transpose", "Unsqueeze", "Where", "Neg", "Identity", "Constant", "ConstantOfShape",
 })
 # The slot form adds reading and writing the pool rows (hift_export/slots.py).
 SLOT_OP_ALLOWLIST = CUDA_OP_ALLOWLIST | {"ScatterND"}

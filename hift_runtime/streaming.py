@@ -103,8 +103,8 @@ class StreamingVocoder:
         self.phase_mode = phase
         self.step_sizes = step_sizes
         # The F0 steps' sizes: the backend's own where it prepares F0 shapes apart (the compiled engine captures its
-        # cheap F0 step at every size up to 25 frames, so a push's F0 is one call, not up to four: each call of a
-        # push waits for a device turn under load), else the generator's.
+        # cheap F0 step at every size up to one step's F0, 26 frames, so a push's F0 is one call, not up to four:
+        # each call of a push waits for a device turn under load), else the generator's.
         traits = backend.traits
         f0_sizes = traits.f0_step_sizes
         self.f0_step_sizes = step_sizes if step_sizes is None or f0_sizes is None else tuple(sorted(f0_sizes,

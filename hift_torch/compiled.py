@@ -8,8 +8,8 @@ fused into Triton kernels, cuDNN convolutions), behind the same bookkeeping and 
 * **Noise**: the noise table lives on the device; each step gathers its rows from the first row's index.
 * **CUDA graphs**: :meth:`CompiledBackend.warmup` compiles, runs and captures every shape a stream meets: the stream
   step (at each of :data:`STEP_SIZES`, or in fp32 one window of 24 frames for all of them), the final step (a window
-  of 28 frames: a stream's last push is one F0 call and one final call) and the F0 step (every size up to 25 frames,
-  and :data:`F0_SIZES_PAST_THE_STEP`), each at every batch size; a call is the host's writes into pinned buffers and
+  of the largest step plus the mel look-ahead, 29 frames, 28 in fp32: a stream's last push is one F0 call and one
+  final call) and the F0 step (every size up to one step's F0, 26 frames, 25 in fp32, and past it), each at every batch size; a call is the host's writes into pinned buffers and
   one replay, launched (``launch_*_step``), then one wait, which may come from another thread: the scheduler launches
   the next call while the device still runs the one before.
 * **Precision** (``fp32``: TF32 off, parity; ``tf32``; ``fp16``: the convolution trunk in half precision, the source,
