@@ -9,9 +9,10 @@ fused into Triton kernels, cuDNN convolutions), behind the same bookkeeping and 
 * **CUDA graphs**: :meth:`CompiledBackend.warmup` compiles, runs and captures every shape a stream meets: the stream
   step (at each of :data:`STEP_SIZES`, or in fp32 one window of 24 frames for all of them), the final step (a window
   of the largest step plus the mel look-ahead, 29 frames, 28 in fp32: a stream's last push is one F0 call and one
-  final call) and the F0 step (every size up to one step's F0, 26 frames, 25 in fp32, and past it), each at every batch size; a call is the host's writes into pinned buffers and
-  one replay, launched (``launch_*_step``), then one wait, which may come from another thread: the scheduler launches
-  the next call while the device still runs the one before.
+  final call) and the F0 step (every size up to one step's F0, 26 frames, 25 in fp32, and past it), each at every
+  batch size; a call is the host's writes into pinned buffers and one replay, launched (``launch_*_step``), then
+  one wait, which may come from another thread: the scheduler launches the next call while the device still runs the
+  one before.
 * **Precision** (``fp32``: TF32 off, parity; ``tf32``; ``fp16``: the convolution trunk in half precision, the source,
   STFT, phase and iSTFT head in float32). The F0 step runs in the export's F0 precision (float64 by default).
 
@@ -130,8 +131,9 @@ class CompiledBackend:
         # look-ahead, so a step's F0 is one call and an utterance's first step (which reads one frame's F0 beyond it)
         # waits for one F0 call, not two; and at the sizes past it, for the rest of a long push's F0.
         one_step_f0 = largest + constants.source_look_ahead
-        self.f0_step_sizes = tuple(sorted({*range(1, one_step_f0 + 1), *F0_SIZES_PAST_THE_STEP,
-                                           100 - one_step_f0}, reverse=True)) if self.on_cuda and step_sizes else None
+        past = (*F0_SIZES_PAST_THE_STEP, max(F0_SIZES_PAST_THE_STEP) - one_step_f0)  # a 100-frame chunk: two calls
+        self.f0_step_sizes = tuple(sorted({*range(1, one_step_f0 + 1), *past}, reverse=True)) \
+            if self.on_cuda and step_sizes else None
         self.batch_sizes = tuple(sorted(set(batch_sizes))) if self.on_cuda else (1,)
         # A call is a graph replay and its wait: short enough for a quiet lone push's calls to be made in the
         # scheduling thread; an eager call on the CPU is not. Every call takes this engine's own lock. A replay is
