@@ -43,7 +43,7 @@ class CompiledOptions:
     9 GiB of free device memory, at most :data:`MAX_CUDNN_THREADS`)."""
 
     device_id: int = 0
-    compile_processes: int = 5  # the default step sizes' graphs: four stream steps and the final step
+    compile_processes: int = 5  # of fp16's and tf32's six default graphs (five stream steps, the final) one waits
     cudnn_threads: int | None = None
 
     def __post_init__(self) -> None:

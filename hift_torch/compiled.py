@@ -119,12 +119,11 @@ class CompiledBackend:
         self.compiled = self.on_cuda if compile is None else compile
         self.cuda_graphs = cuda_graphs and self.on_cuda
         self.step_sizes = step_sizes if self.on_cuda else None
-        largest = max(step_sizes or STEP_SIZES)
         step_window = self.cuda_graphs and bool(step_sizes) and STEP_WINDOW[precision] if step_window is None \
             else step_window
-        if step_window:  # every stream step is one graph of the window: the largest step there is
-            largest = STEP_WINDOW_FRAMES
-        self.step_window_frames = largest if step_window else None
+        self.step_window_frames = STEP_WINDOW_FRAMES if step_window else None
+        # The largest stream step: the window's, where every stream step is one graph of it.
+        largest = self.step_window_frames or max(step_sizes or STEP_SIZES)
         final_window = self.cuda_graphs and bool(step_sizes) if final_window is None else final_window
         self.final_window_frames = largest + constants.mel_look_ahead if final_window else None
         # The F0 step (eager, float64, cheap to capture) at every size up to the largest step plus its source
