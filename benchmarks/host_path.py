@@ -107,8 +107,10 @@ class ModelledDevice(InstantDevice):
         super().__init__(constants)
         self.fixed_ms, self.per_row_ms, self.f0_ms, self.final_ms = fixed_ms, per_row_ms, f0_ms, final_ms
         self._lock_file = open(shared_lock, "a") if shared_lock else None  # noqa: SIM115 - held for the device's life
-        # The device's timeline: a call launched runs after the ones before it, as on a GPU's stream.
+        # The device's timeline: a call launched runs after the ones before it, as on a GPU's stream; the F0 calls
+        # on a timeline of their own beside it where the traits say so (``f0_lane``, as the compiled engine's).
         self._device = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="modelled-device")
+        self._f0_device = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="modelled-f0-device")
         self._pending: dict[tuple[str, int], concurrent.futures.Future] = {}  # step shape -> its last call
 
     def _padded(self, rows: int) -> int:
@@ -151,7 +153,8 @@ class ModelledDevice(InstantDevice):
             if not wait:
                 return None
             pending.result()
-        self._pending[shape] = future = self._device.submit(self._run, ms)
+        device = self._f0_device if shape[0] == "f0" and self.traits.f0_lane else self._device
+        self._pending[shape] = future = device.submit(self._run, ms)
         return _ModelledCall(future, outputs)
 
     def f0_step(self, mel, caches):
@@ -198,7 +201,8 @@ def modelled_vocoder(constants, device: InstantDevice, batched: bool, max_wait_s
         step_sizes=step_sizes, f0_step_sizes=f0_step_sizes, noise_positions=compiled or device.traits.noise_positions,
         final_window=max(step_sizes) + constants.mel_look_ahead if sizes in FINAL_WINDOW_SIZES else None,
         caches_in_place=compiled, f0_caches_in_place=compiled,
-        launches_ahead=compiled and isinstance(device, ModelledDevice))
+        launches_ahead=compiled and isinstance(device, ModelledDevice),
+        f0_lane=compiled and isinstance(device, ModelledDevice))
     vocoder = StreamingVocoder(device, constants, step_sizes=step_sizes)
     if batched:
         vocoder.scheduler = PushScheduler(device, max_batch=256, max_wait_s=max_wait_s,

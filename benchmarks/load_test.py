@@ -520,6 +520,9 @@ def run_k(vocoder, k: int, seconds: float, clients: str = "threads", collections
     # The time inside the engine's calls over the run's wall time: the device's busy share as the scheduler sees it
     # (a call's host writes and wait included; calls queued behind one another overlap).
     busy_s = sum(v[2] for v in this_run["calls_batches_busy_s_by_kind"].values()) if this_run else None
+    # The generator's calls alone (the main lane): where the F0 calls run beside them (f0_lane), the share that bounds.
+    steps_busy_s = sum(v[2] for kind, v in this_run["calls_batches_busy_s_by_kind"].items()
+                       if kind != "f0") if this_run else None
     served = vocoder.batches() if isinstance(vocoder, _Served) else None
     # Full garbage collections (each a stall of every stream of its process): this run's count; the longest of this
     # run in process, since the servers started when served.
@@ -534,8 +537,8 @@ def run_k(vocoder, k: int, seconds: float, clients: str = "threads", collections
             "throughput_audio_s_per_s": round(len(first) * frames * (2 if schedule == "cosyvoice3" else 1) * FRAME_S
                                               / wall, 1),
             "wall_s": round(wall, 2),
-            **({"calls_busy_s": round(busy_s, 2), "calls_busy_share": round(busy_s / wall, 3)}
-               if busy_s is not None else {}),
+            **({"calls_busy_s": round(busy_s, 2), "calls_busy_share": round(busy_s / wall, 3),
+                "generator_calls_busy_share": round(steps_busy_s / wall, 3)} if busy_s is not None else {}),
             **({"utterance_first_audio_p50_ms": round(float(np.percentile(utterance_firsts, 50)) * 1e3, 2),
                 "utterance_first_audio_p95_ms": round(float(np.percentile(utterance_firsts, 95)) * 1e3, 2),
                 "chunk_first_audio_p50_ms": round(float(np.percentile(chunk_firsts, 50)) * 1e3, 2),

@@ -16,7 +16,10 @@ nothing to run. The group grows with the load by itself: every push that arrives
 The scheduler stacks a group's inputs as it launches it, so the device thread only makes calls and the device waits
 for no stacking between two of them. On an engine that ``launches_ahead`` the scheduler launches the call itself
 (host writes and replay), the one behind a call still on the device included, and the device thread only waits for
-each call and hands its results on: the device runs one call while the host launches the next.
+each call and hands its results on: the device runs one call while the host launches the next. On an engine whose
+F0 calls run beside its generator calls (``f0_lane``: the compiled engine's F0 graphs replay on a CUDA stream of
+their own) the F0 calls are a second lane, with its own waiting calls, its own call on the device and its own device
+thread: a push's F0 call (an utterance's first audio waits for one) never waits for a generator call.
 
 An application whose streams are tasks of one event loop can let that loop's thread do the scheduling instead
 (:meth:`PushScheduler.attach_loop`): one thread fewer trading the GIL at every NumPy call.
@@ -109,6 +112,21 @@ class _Flight:
     future: concurrent.futures.Future[tuple[list[Any], float]]
 
 
+@dataclass(eq=False)
+class _Lane:
+    """One timeline of the device: the calls waiting for it, its calls on the device (the first) and queued behind, the
+    thread that waits for them, and when that thread handed out its last call's results. An engine whose F0 calls run
+    beside its generator's (``EngineTraits.f0_lane``) has a lane for them; every other call is the main lane's."""
+
+    ready: _ReadyCalls
+    flights: collections.deque[_Flight]
+    device: concurrent.futures.ThreadPoolExecutor
+    free_at: float = 0.0
+
+    def landed(self) -> bool:
+        return bool(self.flights) and self.flights[0].future.done()
+
+
 class PushScheduler:
     """Runs pushes (step coroutines) of many streams on ``backend``, batching their calls across streams.
 
@@ -137,12 +155,13 @@ class PushScheduler:
         self._cv = threading.Condition()
         self._closing = False
         self._wakers: weakref.WeakKeyDictionary[Any, _LoopWaker] = weakref.WeakKeyDictionary()  # one per loop
-        # The batched calls run here, so the scheduler thread keeps Python work going while the device computes.
-        self._device = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hift-batch-call")
         self.launches_ahead = backend.traits.launches_ahead
-        self._device_free_at = 0.0  # (the device thread's) when it handed out its last call's results
-        self._ready = _ReadyCalls()  # pushes whose next call waits for the device
-        self._flights: collections.deque[_Flight] = collections.deque()  # on the device (the first), queued behind
+        # The batched calls run in each lane's device thread, so the scheduler thread keeps Python work going while
+        # the device computes. An F0 call waits for no generator call where the engine runs them side by side.
+        names = ("hift-batch-call", "hift-f0-call")[:1 + backend.traits.f0_lane]
+        self._lanes = [_Lane(_ReadyCalls(), collections.deque(),
+                             concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=name))
+                       for name in names]
         # Who runs the scheduling: this scheduler's own thread (None), or an event loop (attach_loop) in its thread.
         self._driver: Any = None
         self._driver_thread = 0
@@ -151,6 +170,12 @@ class PushScheduler:
         self._closed = threading.Event()  # the driving loop has failed what close() left it
         self._thread = threading.Thread(target=self._loop, name="hift-scheduler", daemon=True)
         self._thread.start()
+
+    @property
+    def lanes(self) -> int:
+        """The device's timelines it keeps calls in: 2 where the engine runs its F0 calls beside its generator calls
+        (``EngineTraits.f0_lane``), else 1."""
+        return len(self._lanes)
 
     def _submit(self, steps: Generator[StepCall, Any, np.ndarray], on_done: Callable[[], None] | None = None,
                 waiter: threading.Event | None = None) -> _Push:
@@ -263,7 +288,8 @@ class PushScheduler:
         for p in leftovers:
             self._fail(p, SchedulerClosed("the vocoder's scheduler was closed (vocoder.close()) while this push waited "
                                           "for the device"), close_steps=False)
-        self._device.shutdown(wait=False)
+        for lane in self._lanes:
+            lane.device.shutdown(wait=False)
 
     # ---- who schedules: the scheduler's own thread, or an event loop ----------------------------------------------
     def attach_loop(self, loop: Any) -> None:
@@ -308,24 +334,19 @@ class PushScheduler:
     # ---- scheduling: one step, driven by the scheduler thread or by an event loop ------------------------------
     def _loop(self) -> None:
         """The scheduler thread: waits for something to do, then steps; ends when closed or a loop takes over."""
-        ready, flights = self._ready, self._flights
         while True:
             with self._cv:
                 while True:
                     if self._driver is not None:
                         return  # attach_loop(): nothing is in flight
-                    landed = bool(flights) and flights[0].future.done()
-                    if self._arrivals or self._cancellations or landed:
+                    if self._arrivals or self._cancellations or self._landed():
                         break
                     if self._closing:
                         break
-                    if not flights and ready:
-                        wait = self._partner_wait(self._group_of(ready))
-                        if wait <= 0:
-                            break
-                        self._cv.wait(wait)
-                    else:
-                        self._cv.wait()
+                    wait = self._idle_lanes_wait()
+                    if wait is not None and wait <= 0:
+                        break
+                    self._cv.wait(wait)
                 taken = self._take()
             if self._step(*taken):
                 return
@@ -356,16 +377,32 @@ class PushScheduler:
             if self._step(*taken):
                 self._closed.set()
                 return
-            if not (self._flights and self._flights[0].future.done()):
+            if not self._landed():
                 break
-        if not self._flights and self._ready and self._timer is None:
-            wait = self._partner_wait(self._group_of(self._ready))
-            if wait > 0:
+        if self._timer is None:
+            wait = self._idle_lanes_wait()
+            if wait is not None and wait > 0:
                 self._timer = self._driver.call_later(wait, self._partner_timer)
 
     def _partner_timer(self) -> None:
         self._timer = None
         self._kick()
+
+    def _landed(self) -> bool:
+        """Whether a lane's call on the device is done (its results wait to be handed out)."""
+        return any(lane.landed() for lane in self._lanes)
+
+    def _idle_lanes_wait(self) -> float | None:
+        """How long until a lane with nothing on the device starts its next group (0 or less: now); None where no
+        idle lane has a call waiting."""
+        waits = [self._partner_wait(self._group_of(lane.ready)) for lane in self._lanes
+                 if not lane.flights and lane.ready]
+        return min(waits) if waits else None
+
+    def _lane_of(self, push: _Push) -> _Lane:
+        """The lane of the push's current call: the F0 lane's, where there is one, for an F0 call."""
+        lanes = self._lanes
+        return lanes[1] if len(lanes) > 1 and push.call.key[0] == "f0" else lanes[0]  # type: ignore[union-attr]
 
     def _take(self) -> tuple[list[_Push], list[_Push], bool]:
         """(Under ``_cv``.) The arrivals and cancellations so far, handed from the lists others append to, and
@@ -377,46 +414,54 @@ class PushScheduler:
     def _step(self, arrivals: list[_Push], cancellations: list[_Push], closing: bool) -> bool:
         """Take in arrivals and cancellations, hand out a landed call's results, start the calls due. True once
         closed (every push it held failed)."""
-        ready, flights = self._ready, self._flights
+        lanes = self._lanes
         if closing:
             closed = SchedulerClosed("the vocoder's scheduler was closed (vocoder.close()) during this push")
-            for p in arrivals + list(ready):
+            for p in arrivals:
                 self._fail(p, closed)
-            ready.clear()
-            while flights:  # each one's answer first (close() stops waiting after its timeout)
-                flight = flights.popleft()
-                flight.future.exception()
-                self._land(flight, ready)
-            for p in ready:
-                self._fail(p, closed)
-            ready.clear()
+            self._fail_waiting(closed)
+            for lane in lanes:
+                while lane.flights:  # each one's answer first (close() stops waiting after its timeout)
+                    flight = lane.flights.popleft()
+                    flight.future.exception()
+                    self._land(flight)
+            self._fail_waiting(closed)
             return True
         for p in arrivals:
-            self._send(p, None, ready)
+            self._send(p, None)
         for p in cancellations:
-            if p in ready and not p.wrote_caches:
-                ready.remove(p)
-                self._send(p, None, ready)  # stops it: cancelled
-        if flights and flights[0].future.done():
-            landed_flight = flights.popleft()
-            # The next calls go to the device before this one's results are handed out.
-            self._launch_due(flights, ready)
-            self._land(landed_flight, ready)
-            del landed_flight  # its results hold device slots: not kept while waiting for the next call
-        if not flights:
-            self._launch_due(flights, ready)
+            if p.ready_seq >= 0 and not p.wrote_caches:  # waiting for the device, and undoable
+                self._lane_of(p).ready.remove(p)
+                self._send(p, None)  # stops it: cancelled
+        for lane in lanes:
+            if lane.landed():
+                landed_flight = lane.flights.popleft()
+                # The next calls go to the device before this one's results are handed out.
+                self._launch_due(lane)
+                self._land(landed_flight)
+                del landed_flight  # its results hold device slots: not kept while waiting for the next call
+        for lane in lanes:
+            if not lane.flights:
+                self._launch_due(lane)
         return False
 
-    def _launch_due(self, flights: collections.deque[_Flight], ready: _ReadyCalls) -> None:
+    def _fail_waiting(self, exc: BaseException) -> None:
+        for lane in self._lanes:
+            for p in lane.ready:
+                self._fail(p, exc)
+            lane.ready.clear()
+
+    def _launch_due(self, lane: _Lane) -> None:
         """Start the next batched calls that are due (called when the device is idle or a call has landed): with the
         device idle, a group as soon as one is ready (and done waiting for partners); behind a call on the device,
         one more, only of ``queue_behind`` calls or more. Queued, it starts the moment the device is free instead of
         after this thread has woken up for the landed call and formed it (else the device idles meanwhile under load);
         a smaller group waits for the landed call's pushes, which may join it."""
+        flights = lane.flights
         while len(flights) < 2:
             inline = (not flights and self.inline_lone_calls and len(self._handed_over) == 1
                       and self.backend.traits.calls_from_any_thread)
-            flight = self._launch_if_due(ready, self.queue_behind if flights else 1, inline)
+            flight = self._launch_if_due(lane, self.queue_behind if flights else 1, inline)
             if flight is None:
                 return
             self.stats.queued += bool(flights)
@@ -445,10 +490,11 @@ class PushScheduler:
             group.sort(key=_due_at)
         return group
 
-    def _launch_if_due(self, ready: _ReadyCalls, min_group: int = 1, inline: bool = False) -> _Flight | None:
+    def _launch_if_due(self, lane: _Lane, min_group: int = 1, inline: bool = False) -> _Flight | None:
         """The next batched call, unless nothing is ready, its group is smaller than ``min_group`` or still waits for
         partners (the loop then waits, at most until the partner wait is over). ``inline``: a call of one quiet push
         runs here, in the scheduling thread, and comes back landed (see ``inline_lone_calls``)."""
+        ready = lane.ready
         if not ready:
             return None
         group = self._group_of(ready)
@@ -470,7 +516,7 @@ class PushScheduler:
         # calls is time the device waits.
         try:
             stacked = stack_calls(calls)
-            launched_at, behind, launched = time.perf_counter(), bool(self._flights), None
+            launched_at, behind, launched = time.perf_counter(), bool(lane.flights), None
             if self.launches_ahead:
                 launched = launch_stacked(self.backend, stacked, wait=False)  # type: ignore[arg-type]
         except BaseException as exc:  # noqa: BLE001 - the group's failure, as the device thread's future would hold it
@@ -480,9 +526,9 @@ class PushScheduler:
             return _Flight(group, future)
         if self.launches_ahead:
             self.stats.launched_ahead += launched is not None and behind
-            future = self._device.submit(self._timed_result, stacked, launched, launched_at)
+            future = lane.device.submit(self._timed_result, lane, stacked, launched, launched_at)
         else:
-            future = self._device.submit(self._timed_call, stacked)
+            future = lane.device.submit(self._timed_call, stacked)
         future.add_done_callback(self._notify)
         return _Flight(group, future)
 
@@ -491,24 +537,24 @@ class PushScheduler:
         results = run_stacked(self.backend, stacked)
         return results, time.perf_counter() - started
 
-    def _timed_result(self, stacked: StackedCalls, launched: LaunchedStep | None,
+    def _timed_result(self, lane: _Lane, stacked: StackedCalls, launched: LaunchedStep | None,
                       launched_at: float) -> tuple[list[Any], float]:
-        """(The device thread.) A call the scheduler launched, waited for (or launched here: its buffers held an
-        earlier call's when the scheduler tried); its time counted from its launch or the previous call's end, the
-        later (the calls overlap)."""
+        """(The lane's device thread.) A call the scheduler launched, waited for (or launched here: its buffers held
+        an earlier call's when the scheduler tried); its time counted from its launch or the lane's previous call's
+        end, the later (the calls overlap)."""
         if launched is None:
             launched_at = time.perf_counter()
             launched = launch_stacked(self.backend, stacked)  # type: ignore[arg-type]
             assert launched is not None
         results = split_rows(stacked, launched.result())
-        started, self._device_free_at = max(launched_at, self._device_free_at), time.perf_counter()
-        return results, self._device_free_at - started
+        started, lane.free_at = max(launched_at, lane.free_at), time.perf_counter()
+        return results, lane.free_at - started
 
     def _notify(self, _future: Any) -> None:
         with self._cv:
             self._wake()
 
-    def _land(self, flight: _Flight, ready: _ReadyCalls) -> None:
+    def _land(self, flight: _Flight) -> None:
         try:
             results, busy = flight.future.result()
         except BaseException as exc:  # noqa: BLE001 - raised in every push of this call, and no other
@@ -529,9 +575,9 @@ class PushScheduler:
         sizes = st.batch_sizes.setdefault(shape, {})
         sizes[size] = sizes.get(size, 0) + 1
         for p, result in zip(flight.group, results):
-            self._send(p, result, ready)
+            self._send(p, result)
 
-    def _send(self, push: _Push, value: Any, ready: _ReadyCalls) -> None:
+    def _send(self, push: _Push, value: Any) -> None:
         """Send a call's result into the push; it stops at its next call (ready) or ends. A cancelled push that has
         written no device caches is stopped here instead (its stream unchanged)."""
         if push.settled:  # failed by close() while its call was on the device
@@ -552,7 +598,7 @@ class PushScheduler:
             push.call_ready_at = time.monotonic()
             ahead = push.call.audio_ahead_s
             push.due_at = push.call_ready_at if ahead is None else push.handed_over_at + ahead
-            ready.add(push)
+            self._lane_of(push).ready.add(push)
 
     def _fail(self, push: _Push, exc: BaseException, close_steps: bool = True) -> None:
         if push.settled:
@@ -582,11 +628,14 @@ class _ReadyCalls:
     4 x the waiting pushes + 64, keep their pushes until dropped (emptying them instead was slower: list entries). A
     push's call must not change while it is here."""
 
+    # One count for every instance: a push moves between lanes, and an entry it left in another lane's heap must not
+    # match its entry here.
+    _seq = itertools.count()
+
     def __init__(self) -> None:
         self._by_key: dict[tuple[str, int], dict[_Push, None]] = {}  # insertion-ordered sets
         self._heap: list[tuple[float, int, _Push]] = []  # (due_at, ready_seq, push); unique seqs: pushes never compared
         self._count = 0
-        self._seq = itertools.count()
 
     def __len__(self) -> int:
         return self._count

@@ -32,6 +32,9 @@ class EngineTraits:
     scheduling thread.
     ``launches_ahead``: its calls can be launched (:class:`LaunchingBackend`) in one thread and waited for in another,
     so the device runs one call while the host launches the next.
+    ``f0_lane``: its F0 calls run beside its generator calls (a timeline of their own on the device, nothing shared
+    with the generator's calls), so the scheduler gives them a lane of their own: a push's F0 call waits for no
+    generator call.
     """
 
     step_sizes: tuple[int, ...] | None = None
@@ -44,6 +47,7 @@ class EngineTraits:
     calls_from_any_thread: bool = False
     inline_lone_calls: bool = False
     launches_ahead: bool = False
+    f0_lane: bool = False
 
 
 class VocoderBackend(Protocol):

@@ -12,7 +12,8 @@ fused into Triton kernels, cuDNN convolutions), behind the same bookkeeping and 
   final call) and the F0 step (every size up to one step's F0, 26 frames, 25 in fp32, and past it), each at every
   batch size; a call is the host's writes into pinned buffers and one replay, launched (``launch_*_step``), then
   one wait, which may come from another thread: the scheduler launches the next call while the device still runs the
-  one before.
+  one before. The F0 graphs replay on a CUDA stream of their own, from a memory pool of their own, so a push's F0
+  call runs beside the generator call on the device instead of waiting for it (``EngineTraits.f0_lane``).
 * **Precision** (``fp32``: TF32 off, parity; ``tf32``; ``fp16``: the convolution trunk in half precision, the source,
   STFT, phase and iSTFT head in float32). The F0 step runs in the export's F0 precision (float64 by default).
 
@@ -141,7 +142,7 @@ class CompiledBackend:
                                    step_window=self.step_window_frames, final_window=self.final_window_frames,
                                    caches_in_place=True, f0_caches_in_place=True, noise_positions=True,
                                    calls_from_any_thread=True, inline_lone_calls=self.cuda_graphs,
-                                   launches_ahead=self.cuda_graphs)
+                                   launches_ahead=self.cuda_graphs, f0_lane=self.cuda_graphs)
         self.name = f"compiled[{self.device.type}:{precision}]" if self.compiled else f"torch[{self.device.type}]"
         self.generator, self.predictor = load_folded(manifest, self.device)
         if self.conv_layout == "channels-last":
@@ -158,6 +159,10 @@ class CompiledBackend:
         self._graphs: dict[tuple[str, int, int], CapturedCall] = {}
         self._mirrors: dict[tuple[str, int], HostMirrors] = {}  # (kind, frames) -> its pinned host buffers
         self._graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
+        # The F0 graphs replay on a stream of their own, beside the generator's (``f0_lane``): their own memory pool,
+        # since graphs of one pool may share their intermediates' memory and so must never run at once.
+        self._f0_graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
+        self._f0_stream = torch.cuda.Stream(self.device) if self.cuda_graphs else None
         self._compiled = self._compiled_forms() if self.compiled else {"generator": self._step, "final": self._final,
                                                                        "f0": self._f0}
         self.compiles_at_warmup: int | None = None
@@ -342,6 +347,9 @@ class CompiledBackend:
         :meth:`CapturedCall.launch`), or the shape is eager (its call waits for its outputs)."""
         with self._lock:
             graph = self._graphs.get((kind, size, padded_batch(rows, self.batch_sizes)))
+            if graph is not None and kind == "f0" and self._f0_stream is not None:
+                with torch.cuda.stream(self._f0_stream):
+                    return graph.launch(values, rows, self._lock, wait)
             if graph is not None:
                 return graph.launch(values, rows, self._lock, wait)
             if not wait:
@@ -386,9 +394,11 @@ class CompiledBackend:
 
             if compiles_side_by_side(self):
                 marker = precompile(self, step_sizes, say, when_compiled=first_call)
-            for kind, size in compile_units(self.generator_graph_sizes(step_sizes), self.final_frames):
-                first_call(kind, size)
+            again = first_calls_or_deferred(compile_units(self.generator_graph_sizes(step_sizes), self.final_frames),
+                                            first_call, say, beside_threads=bool(threads.groups))
             self._await_choices(choosing, threads, started, say)
+            for kind, size in again:
+                first_call(kind, size)
             self._capture(shapes, threads, started, say)
         self.compiles_at_warmup = compile_count()
         if marker is not None:
@@ -407,9 +417,9 @@ class CompiledBackend:
             shape_started = time.perf_counter()
             fn = self._compiled[kind]
             if self.cuda_graphs:
+                pool = self._f0_graph_pool if kind == "f0" else self._graph_pool
                 self._graphs[(kind, size, batch)] = threads.run((kind, size, batch), lambda: CapturedCall(
-                    fn, self._example(kind, size, batch), self._graph_pool,
-                    functools.partial(self._mirrors_of, kind, size)))
+                    fn, self._example(kind, size, batch), pool, functools.partial(self._mirrors_of, kind, size)))
             else:
                 threads.run((kind, size, batch), lambda: fn(*self._example(kind, size, batch)))
             self.warmup_seconds[f"{kind}:{size}x{batch}"] = round(time.perf_counter() - shape_started, 3)
@@ -525,6 +535,26 @@ def warmup_summary(seconds: dict[str, float], first_calls: dict[str, float] | No
     return (f"warmup: {loads}{len(seconds)} shapes captured in {sum(seconds.values()):.1f} s; by kind: "
             f"{by(lambda k: k.split(':')[0])}; by frames: {by(lambda k: k.split(':')[1].split('x')[0])}; by batch: "
             f"{by(lambda k: k.split('x')[1])}; slowest: {', '.join(f'{k} {s:.1f}' for k, s in slowest)}")
+
+
+def first_calls_or_deferred(units: list[tuple[str, int]], first_call: Callable[[str, int], None],
+                            say: Callable[[str], None], beside_threads: bool) -> list[tuple[str, int]]:
+    """Each ``(kind, size)``'s first call; the units whose first call failed with a ``RuntimeError`` while cuDNN's
+    choosing threads run beside (``beside_threads``), said and returned, to be made again once those threads are done:
+    with the threads holding most of the device's memory, cuDNN can fail inside (a warm tf32 start on an H100 died of
+    ``CUDNN_STATUS_INTERNAL_ERROR`` there). Without the threads, the error is raised."""
+    again = []
+    for kind, size in units:
+        try:
+            first_call(kind, size)
+        except RuntimeError as exc:
+            if not beside_threads:
+                raise
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            say(f"warmup: the first call of {kind}:{size} failed beside cuDNN's choosing threads "
+                f"({type(exc).__name__}: {first_line}); it is made again once they are done")
+            again.append((kind, size))
+    return again
 
 
 def mark_batch_dynamic(tensors: list[torch.Tensor]) -> None:

@@ -78,17 +78,22 @@ class _LaunchingStandIn:
     """A backend that ``launches_ahead``, over a real one: each launch runs the inner call on a stand-in device (one
     thread, ``delay`` s a call, in launch order) and returns at once; a call's buffers are its kind's (the compiled
     engine's are its shape's), so a launch with ``wait=False`` while its kind's last call is not done is refused
-    (None), as the compiled engine's are."""
+    (None), as the compiled engine's are. ``f0_lane``: the F0 calls on a stand-in timeline of their own, beside the
+    generator's; ``overlaps`` counts the calls that started while a call of the other lane ran."""
 
-    def __init__(self, inner, delay: float) -> None:
+    def __init__(self, inner, delay: float, f0_lane: bool = False) -> None:
         import concurrent.futures
 
         self.inner, self.name, self.delay = inner, "launching", delay
-        self.traits = dataclasses.replace(inner.traits, launches_ahead=True)
+        self.traits = dataclasses.replace(inner.traits, launches_ahead=True, f0_lane=f0_lane)
         self._device = concurrent.futures.ThreadPoolExecutor(1)
+        self._f0_device = concurrent.futures.ThreadPoolExecutor(1) if f0_lane else self._device
         self._pending: dict[str, Any] = {}
         self.launch_threads: set[str] = set()
         self.refused = 0
+        self._running: dict[str, int] = {"f0": 0, "steps": 0}
+        self._inner_lock = threading.Lock()  # the inner (CPU) engine's calls one at a time; the delays overlap
+        self.overlaps = 0
 
     def new_caches(self, kind, batch=1):
         return self.inner.new_caches(kind, batch)
@@ -102,11 +107,22 @@ class _LaunchingStandIn:
             pending.result()
         self.launch_threads.add(threading.current_thread().name)
 
-        def on_device():
-            time.sleep(self.delay)
-            return call()
+        lane = "f0" if key == "f0" else "steps"
 
-        self._pending[key] = future = self._device.submit(on_device)
+        def on_device():
+            with self._inner_lock:
+                self._running[lane] += 1
+                self.overlaps += self._running["steps" if lane == "f0" else "f0"] > 0
+            time.sleep(self.delay)
+            try:
+                with self._inner_lock:
+                    return call()
+            finally:
+                with self._inner_lock:
+                    self._running[lane] -= 1
+
+        device = self._f0_device if lane == "f0" else self._device
+        self._pending[key] = future = device.submit(on_device)
         return future  # a Future's result() is a LaunchedStep's
 
     def launch_f0_step(self, mel, caches, wait=True):
@@ -138,6 +154,64 @@ def test_calls_launched_ahead_by_the_scheduler_keep_every_stream_exact(small_art
     assert scheduler.stats.launched_ahead > 0 and device.refused > 0
     assert {"hift-scheduler", "hift-batch-call_0"} <= device.launch_threads
     assert batched.open_streams == 0
+
+
+def test_f0_calls_in_a_lane_of_their_own_run_beside_the_generators_and_keep_every_stream_exact(small_artifacts,
+                                                                                                 alone):
+    """Over an engine whose F0 calls run beside its generator calls (``f0_lane``), the scheduler keeps them in a lane
+    of their own: an F0 group goes to the device while a generator group is on it. The streams equal their solo
+    runs."""
+    from hift_runtime.batching import PushScheduler
+
+    batched = open_vocoder(small_artifacts.out, device="cpu", batching=True, max_wait_ms=2)
+    batched.scheduler.close()
+    device = _LaunchingStandIn(batched.backend, delay=0.004, f0_lane=True)
+    batched.scheduler = scheduler = PushScheduler(device, max_batch=256, max_wait_s=0.002,
+                                                  pushes_in_progress=lambda: batched.pushes_in_progress)
+    try:
+        streams_equal_alone(batched, alone, seed=9, n=8)
+    finally:
+        batched.close()
+    assert device.overlaps > 0
+    assert scheduler.stats.by_kind["f0"][0] > 0 and scheduler.stats.by_kind["generator"][0] > 0
+    assert batched.open_streams == 0
+
+
+def test_an_event_loop_drives_both_lanes_and_keeps_every_stream_exact(small_artifacts, alone):
+    """attach_loop() over an engine with an F0 lane: the loop's thread lands each lane's calls and starts the next
+    ones; asyncio streams equal their solo runs."""
+    from hift_runtime.batching import PushScheduler
+
+    batched = open_vocoder(small_artifacts.out, device="cpu", batching=True, max_wait_ms=2)
+    batched.scheduler.close()
+    device = _LaunchingStandIn(batched.backend, delay=0.003, f0_lane=True)
+    batched.scheduler = scheduler = PushScheduler(device, max_batch=256, max_wait_s=0.002,
+                                                  pushes_in_progress=lambda: batched.pushes_in_progress)
+    assert scheduler.lanes == 2
+    mels = [random_mel(60, seed=90 + i) for i in range(8)]
+    expected = [run_stream(alone, m, [20] * 3) for m in mels]
+
+    async def one(i, mel):
+        await asyncio.sleep(0.004 * i)  # staggered: one stream's F0 call meets another's generator call
+        stream = batched.stream()
+        pieces = [await stream.apush(mel[:, k:k + 20]) for k in range(0, 60, 20)]
+        pieces.append(await stream.afinish())
+        return np.concatenate(pieces)
+
+    async def main():
+        scheduler.attach_loop(asyncio.get_running_loop())
+        try:
+            return await asyncio.gather(*(one(i, m) for i, m in enumerate(mels)))
+        finally:
+            scheduler.detach_loop()
+
+    try:
+        got = asyncio.run(main())
+    finally:
+        batched.close()
+    for g, w in zip(got, expected):
+        assert max_abs(g, w) <= 1e-6  # as above: float32 noise of batched convolutions
+    assert device.overlaps > 0 and batched.open_streams == 0
 
 
 def test_a_bad_chunk_is_refused_for_its_stream_only(small_artifacts, alone, request):

@@ -852,6 +852,7 @@ def test_an_eager_call_is_not_launched_from_the_scheduling_thread(compiled_cpu):
     (``wait=False``, the scheduler's) is refused, so the device thread makes it; waited for, it equals the step."""
     backend = compiled_cpu.backend
     assert not backend.traits.launches_ahead  # no CUDA graphs on the CPU: the scheduler never launches here
+    assert not backend.traits.f0_lane  # nor runs F0 calls beside the generator's (no CUDA streams)
     mel = random_mel(8 + backend.constants.f0_look_ahead, seed=3)[None]
     fresh, again = backend.new_caches("f0"), backend.new_caches("f0")  # (their rows go back when collected)
     assert backend.launch_f0_step(mel, fresh, wait=False) is None
@@ -859,3 +860,25 @@ def test_an_eager_call_is_not_launched_from_the_scheduling_thread(compiled_cpu):
     assert launched is not None
     f0, caches = launched.result()
     assert caches is fresh and np.array_equal(f0, backend.f0_step(mel, again)[0])
+
+
+def test_a_first_call_that_fails_beside_the_choosing_threads_is_made_again_after_them():
+    """Warmup's first call of a graph runs while cuDNN's choosing threads hold most of the device's memory: one that
+    fails there (a warm tf32 start on an H100 died of ``CUDNN_STATUS_INTERNAL_ERROR``) is said and made again once
+    the threads are done; without the threads the error is the warmup's."""
+    from hift_torch.compiled import first_calls_or_deferred
+
+    calls, said = [], []
+
+    def first_call(kind, size):
+        calls.append((kind, size))
+        if (kind, size) == ("generator", 8):
+            raise RuntimeError("cuDNN error: CUDNN_STATUS_INTERNAL_ERROR\nthe rest")
+
+    units = [("generator", 25), ("generator", 8), ("final", 29)]
+    assert first_calls_or_deferred(units, first_call, said.append, beside_threads=True) == [("generator", 8)]
+    assert calls == units
+    assert said == ["warmup: the first call of generator:8 failed beside cuDNN's choosing threads (RuntimeError: "
+                    "cuDNN error: CUDNN_STATUS_INTERNAL_ERROR); it is made again once they are done"]
+    with pytest.raises(RuntimeError, match="CUDNN_STATUS_INTERNAL_ERROR"):
+        first_calls_or_deferred(units, first_call, said.append, beside_threads=False)

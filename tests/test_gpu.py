@@ -338,7 +338,8 @@ def test_compiled_streams_match_the_cpu_ep(small_artifacts, compiled_gpu):
     mode B, the step window): each stream equals the CPU EP's stream within the ORT CUDA EP's bar, and 64 concurrent
     streams each equal their solo run on the engine (the solo runs' quiet pushes made in the scheduling thread:
     inline_lone_calls is on over CUDA graphs). The concurrent streams queue any group behind the call on the device
-    (queue_behind 1), launched by the scheduler while the call ahead of them is still on the device."""
+    (queue_behind 1), launched by the scheduler while the call ahead of them is still on the device; their F0 calls run
+    beside the generator calls (the F0 lane)."""
     from hift_torch.compiled import compile_count
 
     assert compiled_gpu.backend.name == "compiled[cuda:fp32]"
@@ -358,6 +359,7 @@ def test_compiled_streams_match_the_cpu_ep(small_artifacts, compiled_gpu):
         scheduler.queue_behind = queue_behind
     assert scheduler.stats.queued > queued
     assert compiled_gpu.backend.traits.launches_ahead and scheduler.stats.launched_ahead > launched_ahead
+    assert compiled_gpu.backend.traits.f0_lane and scheduler.lanes == 2  # F0 calls beside the generator's
     for i in range(0, 64, 8):
         want = np.concatenate(stream_all(cpu, mels[i], schedules[i])[0])
         assert max_abs(concurrent[i], want) <= 2e-6 and snr_db(concurrent[i], want) >= 105, i
