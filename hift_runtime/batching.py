@@ -71,6 +71,9 @@ class BatchStats:
     batches: int = 0
     max_batch: int = 0
     busy_s: float = 0.0  # time inside the backend's calls (the device's utilisation over a run; two at once overlap)
+    # Of it, the main lane's (the generator's calls, and the F0 calls where they share its lane): where F0 calls run
+    # beside it (EngineTraits.f0_lane) the two overlap, and this share is the one that bounds the device.
+    main_lane_busy_s: float = 0.0
     queued: int = 0  # batches started behind another still on the device (no scheduler wake-up between the two)
     launched_ahead: int = 0  # of those, launched by the scheduler while the other was on the device (launches_ahead)
     by_kind: dict[str, list[float]] = field(default_factory=dict)  # kind -> [calls, batches, busy seconds]
@@ -565,6 +568,8 @@ class PushScheduler:
         kind_name, mel_frames = flight.group[0].call.key  # type: ignore[union-attr]
         shape, size = f"{kind_name}@{mel_frames}", len(flight.group)
         st.busy_s += busy
+        if kind_name != "f0" or len(self._lanes) == 1:
+            st.main_lane_busy_s += busy
         st.calls += size
         st.batches += 1
         st.max_batch = max(st.max_batch, size)

@@ -59,8 +59,9 @@ class ServerStateCollector:
                                    labels=["device"])
         busy_by_kind = CounterMetricFamily("hift_step_busy_seconds", "seconds inside device calls, by device and "
                                            "kind (generator, final, f0)", labels=["device", "kind"])
-        share = GaugeMetricFamily("hift_device_busy_share", "busy seconds / seconds since the server started, by "
-                                  "device", labels=["device"])
+        share = GaugeMetricFamily("hift_device_busy_share", "seconds inside the generator's device calls / seconds "
+                                  "since the server started, by device (F0 calls that run beside them not counted)",
+                                  labels=["device"])
         uptime = max(time.monotonic() - self.started, 1e-9)
         for device, scheduler in _schedulers(table.vocoder):
             if scheduler is None:
@@ -73,7 +74,7 @@ class ServerStateCollector:
             largest.add_metric([device], stats.max_batch)
             queued.add_metric([device], stats.queued)
             busy.add_metric([device], stats.busy_s)
-            share.add_metric([device], min(1.0, stats.busy_s / uptime))
+            share.add_metric([device], min(1.0, stats.main_lane_busy_s / uptime))
         yield from (calls, batches, busy_by_kind, largest, queued, busy, share)
         yield CounterMetricFamily("hift_gc_full_collections", "full garbage collections since the metrics started",
                                   value=self.pauses.count)
