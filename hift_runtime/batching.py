@@ -648,9 +648,6 @@ class _ReadyCalls:
     def __iter__(self) -> Any:
         return iter([p for bucket in self._by_key.values() for p in bucket])  # a copy: callers may remove meanwhile
 
-    def __contains__(self, push: _Push) -> bool:
-        return push.ready_seq >= 0
-
     def add(self, push: _Push) -> None:
         self._by_key.setdefault(push.call.key, {})[push] = None  # type: ignore[union-attr]
         self._count += 1
