@@ -59,9 +59,9 @@ class ServerStateCollector:
                                    labels=["device"])
         busy_by_kind = CounterMetricFamily("hift_step_busy_seconds", "seconds inside device calls, by device and "
                                            "kind (generator, final, f0)", labels=["device", "kind"])
-        share = GaugeMetricFamily("hift_device_busy_share", "seconds inside the generator's device calls / seconds "
-                                  "since the server started, by device (F0 calls that run beside them not counted)",
-                                  labels=["device"])
+        share = GaugeMetricFamily("hift_device_busy_share", "seconds inside device calls / seconds since the server "
+                                  "started, by device (F0 calls that run beside the generator's, where the engine has "
+                                  "an F0 lane, not counted: they overlap)", labels=["device"])
         uptime = max(time.monotonic() - self.started, 1e-9)
         for device, scheduler in _schedulers(table.vocoder):
             if scheduler is None:

@@ -550,9 +550,9 @@ def first_calls_or_deferred(units: list[tuple[str, int]], first_call: Callable[[
         except RuntimeError as exc:
             if not beside_threads:
                 raise
-            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             say(f"warmup: the first call of {kind}:{size} failed beside cuDNN's choosing threads "
-                f"({type(exc).__name__}: {first_line}); it is made again once they are done")
+                f"({type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}); it is made again once they "
+                "are done")
             again.append((kind, size))
     return again
 
