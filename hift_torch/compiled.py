@@ -347,11 +347,11 @@ class CompiledBackend:
         :meth:`CapturedCall.launch`), or the shape is eager (its call waits for its outputs)."""
         with self._lock:
             graph = self._graphs.get((kind, size, padded_batch(rows, self.batch_sizes)))
-            if graph is not None and kind == "f0" and self._f0_stream is not None:
-                with torch.cuda.stream(self._f0_stream):
-                    return graph.launch(values, rows, self._lock, wait)
             if graph is not None:
-                return graph.launch(values, rows, self._lock, wait)
+                lane = torch.cuda.stream(self._f0_stream) if kind == "f0" and self._f0_stream is not None \
+                    else contextlib.nullcontext()  # F0 graphs on their own stream (f0_lane)
+                with lane:
+                    return graph.launch(values, rows, self._lock, wait)
             if not wait:
                 return None
             with self.precision_scope():
