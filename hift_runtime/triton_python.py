@@ -365,10 +365,6 @@ class TritonPythonModel:
                         flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
                 except Exception:  # noqa: BLE001 - that request's loss alone (its client times out)
                     log.exception("a reply could not be sent")
-            # A request lives while anything holds its sender, and Triton unloads the model (at shutdown) only once
-            # every request is released: nothing of the replies sent stays behind while the next wait blocks.
-            del item, items, replies
-            sender = reply = None
 
     def finalize(self) -> None:
         self._replies.put(None)
