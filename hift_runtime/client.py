@@ -391,6 +391,22 @@ def reply_audio(result: Any) -> tuple[np.ndarray, int]:
     return result.as_numpy(wire.AUDIO).reshape(-1)[:samples].copy(), rate
 
 
+async def _call_ended(responses: Any, wait_s: float = 5.0) -> None:
+    """Wait (at most ``wait_s``) for the server to end a decoupled request's gRPC call once its last response came and
+    the request side is closed. A call closed under the server instead (the connection closed at once) can leave
+    tritonserver holding the request: its stop then waits out its 30 s exit timeout to unload the model."""
+    import asyncio
+
+    async def drain() -> None:
+        async for _ in responses:
+            pass
+
+    try:
+        await asyncio.wait_for(drain(), wait_s)
+    except Exception:  # noqa: BLE001 - the audio is in hand; a call that ends badly or late costs it nothing
+        pass
+
+
 class AsyncServerClient:
     """The gRPC client for asyncio code (``tritonclient.grpc.aio``): ``await client.stream().push(chunk, end=...)``;
     many streams as tasks of one event loop, no thread each. Create and use it inside the running loop."""
@@ -404,6 +420,7 @@ class AsyncServerClient:
 
         self.url, self.model_name, self.timeout_s, self.retries, self._tc = url, model_name, timeout_s, retries, tc
         self._client = aio.InferenceServerClient(address)
+        self._endings: set[Any] = set()  # decoupled calls whose last response came, until the server ends them
         # Read from the model's metadata and config at the first chunk (created in a loop, it awaits nothing before).
         self.model: ServedModel | None = None
         self.in_channels: int | None = None
@@ -472,10 +489,15 @@ class AsyncServerClient:
                         if error is not None:
                             raise error
                         if pieces.add(result):
-                            return pieces.release()
+                            break
+                    else:
+                        raise ServerError(f"{self.url}: the response stream ended before the request's last response")
                 finally:
                     done.set()
-                raise ServerError(f"{self.url}: the response stream ended before the request's last response")
+                ending = asyncio.ensure_future(_call_ended(responses))  # off the push's path; close() waits for it
+                self._endings.add(ending)
+                ending.add_done_callback(self._endings.discard)
+                return pieces.release()
             except ServerError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a transport or Triton error
@@ -486,6 +508,11 @@ class AsyncServerClient:
         return AsyncRemoteStream(self, stream_id or uuid.uuid4().hex)
 
     async def close(self) -> None:
+        """Close the connection, once the server has ended the calls whose last response came (at most 5 s)."""
+        import asyncio
+
+        if self._endings:
+            await asyncio.wait(set(self._endings), timeout=5.0)
         await self._client.close()
 
 

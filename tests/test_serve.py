@@ -596,6 +596,62 @@ def test_a_pacer_sends_first_pieces_and_finals_at_once_and_holds_the_rest_until_
     assert pacer.wait_s(2.1) is None  # every request ended: nothing held, nothing kept
 
 
+def test_the_async_client_lets_the_server_end_a_pieces_call_before_it_closes():
+    """After a decoupled request's last response the asyncio client closes the call's request side and lets the server
+    end the call, off the push's path; ``close()`` waits for that before closing the connection (a call cut under
+    tritonserver can leave it holding the request, and its stop then waits out its 30 s exit timeout)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from hift_runtime import wire
+    from hift_runtime.client import AsyncServerClient
+
+    class Response:
+        def __init__(self, audio: np.ndarray, final: bool) -> None:
+            self.tensors = {wire.AUDIO: audio[None], wire.SAMPLES: np.array([[audio.size]]),
+                            wire.SAMPLE_RATE: np.array([[24000]]), wire.ERROR: np.array([[b""]], dtype=object),
+                            wire.FINAL: np.array([[final]])}
+
+        def as_numpy(self, name: str) -> np.ndarray:
+            return self.tensors[name]
+
+    events: list[str] = []
+
+    class Call:  # a piece, the last response, then the end of the call once the request side is closed
+        def __init__(self, requests) -> None:
+            self.requests = requests
+            self.responses = [Response(np.ones(3, np.float32), False), Response(np.full(2, 2.0, np.float32), True)]
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            if self.responses:
+                return self.responses.pop(0), None
+            async for _ in self.requests:
+                pass
+            events.append("call ended")
+            raise StopAsyncIteration
+
+    class Connection:
+        def stream_infer(self, requests, stream_timeout, headers) -> Call:
+            return Call(requests)
+
+        async def close(self) -> None:
+            events.append("connection closed")
+
+    async def push_then_close() -> np.ndarray:
+        client = AsyncServerClient("127.0.0.1:1")
+        client._client = Connection()
+        audio, _ = await client._infer_pieces(SimpleNamespace(in_channels=80), "s", np.zeros((80, 10), np.float32),
+                                              True, False, 0, None)
+        await client.close()
+        return audio
+
+    assert asyncio.run(push_then_close()).tolist() == [1, 1, 1, 2, 2]
+    assert events == ["call ended", "connection closed"]
+
+
 def test_an_empty_release_is_reported_as_zero_samples(vocoder):
     from hift_runtime import wire
     from hift_runtime.serving import chunk_request, reply_tensors
