@@ -468,7 +468,8 @@ class AsyncServerClient:
     async def _infer_pieces(self, model: ServedModel, stream_id: str, mel: np.ndarray, start: bool, end: bool,
                             offset: int | None, on_audio: Callable[[np.ndarray], None] | None) -> tuple[np.ndarray, int]:
         """A chunk through a decoupled server: one gRPC stream for the request, its responses as they come (the
-        request side stays open until the last, so the server never sees the stream half-closed early)."""
+        request side stays open until the last, so the server never sees the stream half-closed early; then it
+        closes, and the server ends the call: :func:`_call_ended`)."""
         import asyncio
 
         inputs = request_inputs(self._tc, model.in_channels, stream_id, mel, start, end, offset)
@@ -508,11 +509,12 @@ class AsyncServerClient:
         return AsyncRemoteStream(self, stream_id or uuid.uuid4().hex)
 
     async def close(self) -> None:
-        """Close the connection, once the server has ended the calls whose last response came (at most 5 s)."""
+        """Close the connection, once the server has ended the calls whose last response came (each waited for at
+        most :func:`_call_ended`'s ``wait_s``)."""
         import asyncio
 
         if self._endings:
-            await asyncio.wait(set(self._endings), timeout=5.0)
+            await asyncio.wait(set(self._endings))
         await self._client.close()
 
 
