@@ -427,7 +427,7 @@ class PushScheduler:
                 while lane.flights:  # each one's answer first (close() stops waiting after its timeout)
                     flight = lane.flights.popleft()
                     flight.future.exception()
-                    self._land(flight)
+                    self._land(flight, lane)
             self._fail_waiting(closed)
             return True
         for p in arrivals:
@@ -441,7 +441,7 @@ class PushScheduler:
                 landed_flight = lane.flights.popleft()
                 # The next calls go to the device before this one's results are handed out.
                 self._launch_due(lane)
-                self._land(landed_flight)
+                self._land(landed_flight, lane)
                 del landed_flight  # its results hold device slots: not kept while waiting for the next call
         for lane in lanes:
             if not lane.flights:
@@ -557,7 +557,7 @@ class PushScheduler:
         with self._cv:
             self._wake()
 
-    def _land(self, flight: _Flight) -> None:
+    def _land(self, flight: _Flight, lane: _Lane) -> None:
         try:
             results, busy = flight.future.result()
         except BaseException as exc:  # noqa: BLE001 - raised in every push of this call, and no other
@@ -568,7 +568,7 @@ class PushScheduler:
         kind_name, mel_frames = flight.group[0].call.key  # type: ignore[union-attr]
         shape, size = f"{kind_name}@{mel_frames}", len(flight.group)
         st.busy_s += busy
-        if kind_name != "f0" or len(self._lanes) == 1:
+        if lane is self._lanes[0]:
             st.main_lane_busy_s += busy
         st.calls += size
         st.batches += 1
