@@ -394,7 +394,8 @@ def reply_audio(result: Any) -> tuple[np.ndarray, int]:
 async def _call_ended(responses: Any, wait_s: float = 5.0) -> None:
     """Wait (at most ``wait_s``) for the server to end a decoupled request's gRPC call once its last response came and
     the request side is closed. A call closed under the server instead (the connection closed at once) can leave
-    tritonserver holding the request: its stop then waits out its 30 s exit timeout to unload the model."""
+    tritonserver holding the request: its stop then waits for it (hift-serve gives up on it after 5 s, another
+    server may wait out its exit timeout)."""
     import asyncio
 
     async def drain() -> None:

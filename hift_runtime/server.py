@@ -21,7 +21,7 @@ from . import wire
 from .gpus import nvidia_driver_present, visible_gpus
 from .manifest import ArtifactError
 from .opening import open_vocoder
-from .server_cli import busy_port, invalid, local_http_url, parser
+from .server_cli import busy_port, invalid, local_http_url, local_url, parser
 from .serving import StreamTable
 from .streaming import StreamingVocoder
 
@@ -30,6 +30,9 @@ STUB_UNHEALTHY = "is not healthy"
 # The function Triton's Python-backend model opens the runtime with (None: the module's default, this module's
 # open_table); benchmarks/modelled_server.py names a stand-in device's.
 PYTHON_BACKEND_OPENER: str | None = None
+# How long a stopping tritonserver may wait while its model has no request left to answer (its normal unload and
+# exit took ~2.5 s on 2 cores), before it is taken for a request held after its client cut the call, and killed.
+HELD_REQUEST_S = 5.0
 
 
 def open_table(args: argparse.Namespace) -> tuple[StreamingVocoder, StreamTable]:
@@ -117,7 +120,7 @@ def serve_python_backend(args: argparse.Namespace, argv: list[str], in_channels:
     passed on, a dead model process noticed, the exit status."""
     import shutil
 
-    from .supervision import release_folder, stop_processes, stop_signals_recorded, temp_folder
+    from .supervision import release_folder, stop_signals_recorded, temp_folder
     from .triton_python import OPENER, launch, load_failure
 
     opener = opener or OPENER
@@ -149,7 +152,11 @@ def serve_python_backend(args: argparse.Namespace, argv: list[str], in_channels:
                 print(died_before_ready(dead_model, log_file), file=sys.stderr, flush=True)
                 return 1
             if process.poll() is None:  # asked to stop: Triton unloads the model (its finalize) and exits
-                stop_processes([process], timeout_s=60)
+                state_url = f"{local_url(args, args.state_metrics_port)}/metrics"
+                if stop_tritonserver(process, lambda: requests_in_flight(state_url)):
+                    print(f"hift-serve: tritonserver waited for a request its model had answered (a client closed "
+                          f"the request's gRPC call under it); stopped it after {HELD_REQUEST_S:g} s instead of its "
+                          f"30 s exit timeout", file=sys.stderr, flush=True)
             elif not stopping:
                 text = log_file.read_text(errors="replace") if log_file.is_file() else ""
                 why = load_failure(text, wire.MODEL_NAME)
@@ -175,6 +182,51 @@ def serve_python_backend(args: argparse.Namespace, argv: list[str], in_channels:
     return 0
 
 
+
+
+def stop_tritonserver(process: subprocess.Popen, in_flight: Callable[[], int | None], timeout_s: float = 60.0,
+                      held_s: float = HELD_REQUEST_S) -> bool:
+    """Stop ``tritonserver`` (SIGTERM: it waits for its requests, unloads the model, exits); killed after
+    ``timeout_s``, or once its model has answered every request it was handed (``in_flight()`` 0; None: unknown) for
+    ``held_s``: Triton then holds a request whose gRPC call a client closed after its last response, and would wait
+    out its exit timeout (its model's finalize is not run in either case). True where it was killed for that."""
+    import time
+
+    process.terminate()
+    started, answered_since = time.monotonic(), None
+    while process.poll() is None:
+        now = time.monotonic()
+        if now - started > timeout_s:
+            break
+        if in_flight() == 0:
+            answered_since = now if answered_since is None else answered_since
+            if now - answered_since >= held_s:
+                process.kill()
+                process.wait()
+                return True
+        else:
+            answered_since = None
+        time.sleep(0.2)
+    if process.poll() is None:
+        process.kill()
+    process.wait()
+    return False
+
+
+def requests_in_flight(metrics_url: str) -> int | None:
+    """The model's requests not yet sent their final reply, from its state metrics (None: they do not answer)."""
+    import http.client
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=0.5) as response:
+            text = response.read().decode()
+    except (OSError, http.client.HTTPException, UnicodeDecodeError):  # unloading: the endpoint is going away
+        return None
+    for line in text.splitlines():
+        if line.startswith(wire.REQUESTS_IN_FLIGHT_METRIC + " "):
+            return int(float(line.split()[1]))
+    return None
 
 
 def died_before_ready(pid: int, log_file: Path, triton_says: str | None = None) -> str:

@@ -83,7 +83,13 @@ def busy_port(host: str, ports: dict[str, int]) -> str | None:
     return None
 
 
-def local_http_url(args: argparse.Namespace) -> str:
-    """Triton's HTTP endpoint as this machine reaches it (a wildcard ``--host`` is reached on the loopback)."""
+def local_url(args: argparse.Namespace, port: int) -> str:
+    """An HTTP endpoint of this server on ``port`` as this machine reaches it (a wildcard ``--host`` is reached on
+    the loopback)."""
     local = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
-    return f"http://{f'[{local}]' if ':' in local else local}:{args.http_port}"
+    return f"http://{f'[{local}]' if ':' in local else local}:{port}"
+
+
+def local_http_url(args: argparse.Namespace) -> str:
+    """Triton's HTTP endpoint as this machine reaches it."""
+    return local_url(args, args.http_port)

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from . import wire
 from .process_tuning import CollectionPauses
 from .serving import StreamTable
 
@@ -31,14 +32,19 @@ def _schedulers(vocoder: Any) -> list[tuple[str, Any]]:
 class ServerStateCollector:
     """Collects the metrics of one :class:`~hift_runtime.serving.StreamTable` and its vocoder."""
 
-    def __init__(self, table: StreamTable) -> None:
+    def __init__(self, table: StreamTable, requests_in_flight: Callable[[], int] | None = None) -> None:
         self.table = table
+        self.requests_in_flight = requests_in_flight
         self.started = time.monotonic()
         self.pauses = CollectionPauses()
 
     def collect(self) -> Iterator[Any]:
         table = self.table
         yield GaugeMetricFamily("hift_open_streams", "streams open now", value=table.open_streams)
+        if self.requests_in_flight is not None:
+            yield GaugeMetricFamily(wire.REQUESTS_IN_FLIGHT_METRIC,
+                                    "requests received and not yet sent their final reply",
+                                    value=self.requests_in_flight())
         refused = CounterMetricFamily("hift_requests_refused", "requests refused, by reason", labels=["reason"])
         for reason, count in sorted(table.refused.items()):
             refused.add_metric([reason], count)
@@ -86,9 +92,10 @@ class ServerStateCollector:
                                 "(0: HIFT_GC_TUNING=0)", value=gc.get_freeze_count())
 
 
-def serve_state_metrics(table: StreamTable, port: int, address: str = "127.0.0.1") -> Any:
+def serve_state_metrics(table: StreamTable, port: int, address: str = "127.0.0.1",
+                        requests_in_flight: Callable[[], int] | None = None) -> Any:
     """Serve the collector's metrics at ``http://address:port/metrics`` from a daemon thread; the server object."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(ServerStateCollector(table))  # type: ignore[arg-type]
+    registry.register(ServerStateCollector(table, requests_in_flight))  # type: ignore[arg-type]
     server, _thread = start_http_server(port, addr=address, registry=registry)
     return server

@@ -298,7 +298,10 @@ class TritonPythonModel:
         module, function = parameters["hift_serve_opener"]["string_value"].split(":")
         self.vocoder, self.table = getattr(importlib.import_module(module), function)(options)
         tune_garbage_collector()  # warm: what lives now lives as long as the model
-        self.state_metrics = serve_state_metrics(self.table, options.state_metrics_port, options.host)
+        # Requests handed to this model and those sent their final reply (each written by one thread only).
+        self.requests_received = self.requests_answered = 0
+        self.state_metrics = serve_state_metrics(self.table, options.state_metrics_port, options.host,
+                                                 lambda: self.requests_received - self.requests_answered)
         self.rate = np.array([[self.vocoder.constants.sample_rate]], np.int32)
         self.pieces = options.audio_pieces
         # One replier thread sends every reply, so a request's replies go out in order.
@@ -313,6 +316,7 @@ class TritonPythonModel:
         pb = self._pb
         chunks = [chunk_request({name: _input(pb, r, name) for name in wire.INPUTS}) for r in requests]
         senders = [r.get_response_sender() for r in requests]
+        self.requests_received += len(requests)
         replies = self._replies
         if not self.pieces:
             self.table.submit(chunks, lambda i, reply: replies.put((senders[i], reply, True)))
@@ -365,6 +369,7 @@ class TritonPythonModel:
                         flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
                 except Exception:  # noqa: BLE001 - that request's loss alone (its client times out)
                     log.exception("a reply could not be sent")
+                self.requests_answered += final
 
     def finalize(self) -> None:
         self._replies.put(None)

@@ -43,6 +43,8 @@ INPUTS = (STREAM_ID, MEL, START, END, OFFSET)
 AUDIO, SAMPLES, SAMPLE_RATE, ERROR, FINAL = "audio", "samples", "sample_rate", "error", "final"
 DEFAULT_HTTP_PORT, DEFAULT_GRPC_PORT, DEFAULT_METRICS_PORT = 8000, 8001, 8002
 DEFAULT_STATE_METRICS_PORT = 8003  # hift-serve's own metrics, beside Triton's (server_metrics.py)
+# Of those, the model's requests not yet sent their final reply (hift-serve's stop reads it).
+REQUESTS_IN_FLIGHT_METRIC = "hift_requests_in_flight"
 
 
 # The stock-Triton repository (``hift-export --triton-repo``): one model of this name too, a Triton sequence per

@@ -358,6 +358,7 @@ def test_live_server_refuses_bad_requests_clearly_and_keeps_serving(server, voco
         key = f'hift_requests_refused_total{{reason="{reason}"}}'
         assert after[key] - before.get(key, 0.0) == 1, (reason, after)
     assert after["hift_open_streams"] == 0 and after["hift_streams_expired_total"] == 0
+    assert after[wire.REQUESTS_IN_FLIGHT_METRIC] == 0  # every request answered (hift-serve's stop reads it)
     assert after['hift_step_calls_total{device="0",kind="generator"}'] >= 2
     assert after['hift_step_batches_total{device="0",kind="generator"}'] >= 1
     assert after['hift_step_busy_seconds_total{device="0",kind="generator"}'] > 0
@@ -599,7 +600,7 @@ def test_a_pacer_sends_first_pieces_and_finals_at_once_and_holds_the_rest_until_
 def test_the_async_client_lets_the_server_end_a_pieces_call_before_it_closes():
     """After a decoupled request's last response the asyncio client closes the call's request side and lets the server
     end the call, off the push's path; ``close()`` waits for that before closing the connection (a call cut under
-    tritonserver can leave it holding the request, and its stop then waits out its 30 s exit timeout)."""
+    tritonserver can leave it holding the request, and its stop then waits for it)."""
     import asyncio
     from types import SimpleNamespace
 
@@ -824,3 +825,36 @@ def test_a_pieces_server_sends_each_steps_audio_as_it_is_made(pieces_server, voc
 
     audio, got = asyncio.run(asynchronously())
     assert len(got) >= 4 and max_abs(audio, want) <= SERVED_TOLERANCE and np.array_equal(np.concatenate(got), audio)
+
+
+def _ignoring_sigterm() -> subprocess.Popen:
+    """A process that ignores SIGTERM (as tritonserver waiting out its exit timeout does), once it says it does."""
+    process = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+                                "signal.SIG_IGN); print('ignoring', flush=True); time.sleep(60)"],
+                               stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline().strip() == "ignoring"
+    return process
+
+
+@pytest.mark.parametrize("in_flight, killed_for_held", [(0, True), (1, False), (None, False)])
+def test_a_stopping_tritonserver_whose_model_answered_everything_is_killed_after_the_held_wait(in_flight,
+                                                                                             killed_for_held):
+    """hift-serve's stop: a tritonserver that does not exit while its model reports no request in flight is killed
+    after ``held_s`` (it holds a request whose call a client cut, and would wait out its 30 s exit timeout); while
+    requests are in flight, or the model's metrics do not answer (it is unloading), only ``timeout_s`` ends it."""
+    from hift_runtime.server import stop_tritonserver
+
+    process = _ignoring_sigterm()
+    started = time.monotonic()
+    assert stop_tritonserver(process, lambda: in_flight, timeout_s=1.5, held_s=0.4) is killed_for_held
+    took = time.monotonic() - started
+    assert process.returncode == -signal.SIGKILL
+    assert (0.4 <= took < 1.4) if killed_for_held else (1.5 <= took < 3.0)
+
+
+def test_a_tritonserver_that_exits_on_sigterm_is_left_to_exit():
+    from hift_runtime.server import stop_tritonserver
+
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    assert stop_tritonserver(process, lambda: 0, timeout_s=10, held_s=5) is False
+    assert process.returncode == -signal.SIGTERM
