@@ -193,24 +193,17 @@ def stop_tritonserver(process: subprocess.Popen, in_flight: Callable[[], int | N
     import time
 
     process.terminate()
-    started, answered_since = time.monotonic(), None
-    while process.poll() is None:
+    started, answered_since, held = time.monotonic(), None, False
+    while process.poll() is None and not held and time.monotonic() - started <= timeout_s:
         now = time.monotonic()
-        if now - started > timeout_s:
-            break
-        if in_flight() == 0:
-            answered_since = now if answered_since is None else answered_since
-            if now - answered_since >= held_s:
-                process.kill()
-                process.wait()
-                return True
-        else:
-            answered_since = None
-        time.sleep(0.2)
+        answered_since = (now if answered_since is None else answered_since) if in_flight() == 0 else None
+        held = answered_since is not None and now - answered_since >= held_s
+        if not held:
+            time.sleep(0.2)
     if process.poll() is None:
         process.kill()
     process.wait()
-    return False
+    return held
 
 
 def requests_in_flight(metrics_url: str) -> int | None:
