@@ -25,7 +25,10 @@ An application whose streams are tasks of one event loop can let that loop's thr
 (:meth:`PushScheduler.attach_loop`): one thread fewer trading the GIL at every NumPy call.
 
 A lone push never waits. When the device is idle, a group smaller than ``max_batch`` waits at most ``max_wait_s``, and
-only while streams are inside a push but not yet handed over (they may join). A quiet lone push (nothing else in hand,
+only while streams are inside a push but not yet handed over (they may join). With an F0 lane, an idle generator lane
+also holds a group of fewer than ``generator_hold_below`` streams while an F0 call is on the device, at most
+``generator_hold_s`` after its oldest call was ready: the pushes of that F0 call join it a moment later, where
+otherwise each small group takes a generator turn of its own. A quiet lone push (nothing else in hand,
 nothing settled in the 20 ms before it arrived) over a backend whose calls are short runs its calls in the
 scheduling thread itself, without the device thread's hand-offs (``inline_lone_calls``).
 
@@ -144,6 +147,9 @@ class PushScheduler:
         self.backend, self.max_batch, self.max_wait_s = backend, max_batch, max_wait_s
         # The smallest group queued behind a call on the device (see _launch_due): a quarter of a full batch.
         self.queue_behind = max(1, max_batch // 4)
+        # The F0 lane's landing pushes join a small generator group instead of each taking a turn: a generator call
+        # costs mostly its fixed time at small batches (BENCHMARKS.md, "the generator lane's hold").
+        self.generator_hold_s, self.generator_hold_below = 0.0015, 32
         # A quiet lone push's calls made in the scheduling thread itself (the device idle, nothing settled in the
         # last inline_quiet_s): no device-thread hand-offs, two a call (BENCHMARKS.md, "a lone push"). Under load a
         # call made here would hold the thread that groups the next pushes; only on an engine that declares it.
@@ -398,7 +404,7 @@ class PushScheduler:
     def _idle_lanes_wait(self) -> float | None:
         """How long until a lane with nothing on the device starts its next group (0 or less: now); None where no
         idle lane has a call waiting."""
-        waits = [self._partner_wait(self._group_of(lane.ready)) for lane in self._lanes
+        waits = [self._partner_wait(self._group_of(lane.ready), lane) for lane in self._lanes
                  if not lane.flights and lane.ready]
         return min(waits) if waits else None
 
@@ -476,12 +482,20 @@ class PushScheduler:
             self._cancellations.append(push)
             self._wake()
 
-    def _partner_wait(self, group: list[_Push]) -> float:
-        """How much longer the next group (:meth:`_group_of`) waits for partners: > 0 only while streams inside a
-        push have not been handed over yet and its oldest call has waited less than ``max_wait_s``."""
-        if len(group) >= self.max_batch or self.pushes_in_progress() <= len(self._handed_over):
+    def _partner_wait(self, group: list[_Push], lane: _Lane) -> float:
+        """How much longer the next group (:meth:`_group_of`) of ``lane`` waits for partners: > 0 only while its
+        oldest call has waited less than ``max_wait_s`` with streams inside a push not handed over yet, or less than
+        ``generator_hold_s`` in the generator lane, under ``generator_hold_below`` streams, with an F0 call on the
+        device."""
+        if len(group) >= self.max_batch:
             return 0.0
-        return self.max_wait_s - (time.monotonic() - min(p.call_ready_at for p in group))
+        wait = self.max_wait_s if self.pushes_in_progress() > len(self._handed_over) else 0.0
+        if (self.generator_hold_s > wait and len(group) < self.generator_hold_below and len(self._lanes) > 1
+                and lane is self._lanes[0] and self._lanes[1].flights):
+            wait = self.generator_hold_s
+        if wait <= 0:
+            return 0.0
+        return wait - (time.monotonic() - min(p.call_ready_at for p in group))
 
     def _group_of(self, ready: _ReadyCalls) -> list[_Push]:
         """The call due first and every ready call of the same key; past ``max_batch`` of them, the earliest due
@@ -501,7 +515,7 @@ class PushScheduler:
         if not ready:
             return None
         group = self._group_of(ready)
-        if len(group) < min_group or self._partner_wait(group) > 0:
+        if len(group) < min_group or self._partner_wait(group, lane) > 0:
             return None
         group = group[: self.max_batch]
         ready.take(group)

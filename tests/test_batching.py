@@ -177,6 +177,34 @@ def test_f0_calls_in_a_lane_of_their_own_run_beside_the_generators_and_keep_ever
     assert batched.open_streams == 0
 
 
+def test_an_idle_generator_lane_holds_a_small_group_while_an_f0_call_is_on_the_device():
+    """The generator lane's hold: with every push handed over, a generator group of fewer than
+    ``generator_hold_below`` streams waits while an F0 call is on the device, at most ``generator_hold_s`` after its
+    oldest call was ready; a full enough group, an F0 group, or a generator group with no F0 call on the device starts
+    at once."""
+    from types import SimpleNamespace
+
+    from hift_runtime.batching import PushScheduler
+    from hift_runtime.engine import EngineTraits
+
+    scheduler = PushScheduler(SimpleNamespace(traits=EngineTraits(f0_lane=True)), max_wait_s=0.003)
+    try:
+        generator_lane, f0_lane = scheduler._lanes
+        now = time.monotonic()
+        small = [SimpleNamespace(call_ready_at=now)] * (scheduler.generator_hold_below - 1)
+        full_enough = [SimpleNamespace(call_ready_at=now)] * scheduler.generator_hold_below
+        assert scheduler._partner_wait(small, generator_lane) <= 0  # no F0 call on the device: nothing to wait for
+        f0_lane.flights.append(object())
+        assert 0 < scheduler._partner_wait(small, generator_lane) <= scheduler.generator_hold_s
+        assert scheduler._partner_wait(full_enough, generator_lane) <= 0
+        assert scheduler._partner_wait(small, f0_lane) <= 0
+        waited = [SimpleNamespace(call_ready_at=now - scheduler.generator_hold_s)]
+        assert scheduler._partner_wait(waited, generator_lane) <= 0  # bounded: the hold is over
+        f0_lane.flights.clear()
+    finally:
+        scheduler.close()
+
+
 def test_an_event_loop_drives_both_lanes_and_keeps_every_stream_exact(small_artifacts, alone):
     """attach_loop() over an engine with an F0 lane: the loop's thread lands each lane's calls and starts the next
     ones; asyncio streams equal their solo runs."""
