@@ -59,6 +59,13 @@ def run_in_threads(work, args, timeout: float | None = None) -> list:
 
 
 def pytest_configure(config) -> None:
+    import tempfile
+
+    if _is_controller(config):  # the run's exports folder, which ``-n`` workers inherit
+        os.environ[_RUN_DIR_ENV] = tempfile.mkdtemp(prefix="hift-test-exports-")
+        if getattr(config.option, "numprocesses", None):
+            # Each worker takes a core: torch's threads, one a core in every worker, would oversubscribe them.
+            os.environ.setdefault("OMP_NUM_THREADS", "1")
     if REQUIRE_FIXTURES and not HAVE_FIXTURES:
         raise pytest.UsageError(f"HIFT_REQUIRE_FIXTURES is set but the upstream fixtures are missing: {CHECKPOINT} "
                                 f"and {REFERENCE} must exist (../shared/fixtures beside the checkout)")
@@ -80,13 +87,26 @@ def reduced_config():
     return COSYVOICE3.reduced()
 
 
-_EXPORTS: dict[str, tuple[Path, object]] = {}
+# The exports run once per test run, in background processes, into a folder every pytest process of the run shares
+# (with ``-n`` the workers ask for them, the first starts each and every one waits for its rc file): WHICH/artifacts,
+# WHICH.log, WHICH.rc once it ended, WHICH.pid (the process group) once started.
+_RUN_DIR_ENV = "HIFT_TEST_EXPORTS"
 _EXPORTS_LOCK = threading.Lock()  # the full-size export may be started from a thread
 _EXPORTS_CLOSED = threading.Event()  # set at the session's end: no export starts after it
 _EXPORT_ARGS = {"small": ["--reduced"], "full": ["--checkpoint", str(CHECKPOINT)]}
 # Set when both exports are needed: a test that has to wait for the reduced export starts the full-size one at once
 # (the tests then hold no core: the two exports take one each).
 _FULL_WHEN_WAITED = threading.Event()
+_STARTED: list = []  # the export processes this process started
+
+
+def _is_controller(config) -> bool:
+    """This process runs the session (a plain run, or the controller of ``-n`` workers), not a worker of it."""
+    return not hasattr(config, "workerinput")
+
+
+def _run_dir() -> Path:
+    return Path(os.environ[_RUN_DIR_ENV])
 
 
 def _exports_needed(item) -> int:
@@ -119,7 +139,7 @@ def pytest_collection_finish(session) -> None:
         _FULL_WHEN_WAITED.set()
 
         def full_after_small() -> None:
-            _EXPORTS["small"][1].wait()  # type: ignore[attr-defined]
+            _wait_for_export("small")
             _start_export("full", threads=1)
 
         threading.Thread(target=full_after_small, daemon=True).start()
@@ -129,33 +149,58 @@ def pytest_collection_finish(session) -> None:
 
 
 def pytest_sessionfinish(session) -> None:
-    """An export no test waited for (the run stopped early, or its tests were deselected) is stopped, not left
-    running after pytest; none starts after this."""
+    """No export starts after this. The run's controller stops an export no test waited for (the run stopped early, or
+    its tests were deselected), so none outlives pytest, and removes the exports (a worker leaves them: another may
+    still be testing them)."""
+    import shutil
+    import signal
+
     with _EXPORTS_LOCK:
         _EXPORTS_CLOSED.set()
-    for _, process in _EXPORTS.values():
-        if process.poll() is None:  # type: ignore[attr-defined]
-            process.kill()  # type: ignore[attr-defined]
-            process.communicate()  # type: ignore[attr-defined]
+    if not _is_controller(session.config) or _RUN_DIR_ENV not in os.environ:
+        return
+    for pid_file in _run_dir().glob("*.pid"):
+        try:
+            os.killpg(int(pid_file.read_text()), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    shutil.rmtree(_run_dir(), ignore_errors=True)
 
 
 def _start_export(which: str, threads: int | None = None) -> None:
-    import os
+    """Start the export in a process group of its own, unless a process of this run started it already."""
+    import fcntl
     import subprocess
     import sys
-    import tempfile
 
-    with _EXPORTS_LOCK:
-        if which in _EXPORTS or _EXPORTS_CLOSED.is_set():
+    run_dir = _run_dir()
+    with _EXPORTS_LOCK, open(run_dir / f"{which}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one process of the run starts it
+        if _EXPORTS_CLOSED.is_set() or (run_dir / f"{which}.pid").exists():
             return
-        out = Path(tempfile.mkdtemp(prefix=f"hift-{which}-")) / "artifacts"
+        out = run_dir / which / "artifacts"
         env = dict(os.environ, OMP_NUM_THREADS=str(threads)) if threads else None
         # The reduced export also writes the stock-Triton repository, as a user asks for it (test_real_triton.py).
         repo = ["--triton-repo", str(out.parent / "triton-repo"), "--triton-max-streams", "4"] if which == "small" else []
-        process = subprocess.Popen([sys.executable, "-m", "hift_export.cli", *_EXPORT_ARGS[which], *repo, "--out",
-                                    str(out)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                   env=env)
-        _EXPORTS[which] = (out, process)
+        command = [sys.executable, "-m", "hift_export.cli", *_EXPORT_ARGS[which], *repo, "--out", str(out)]
+        # The shell writes the exit status once the export ended; WHICH.rc appears whole (renamed into place).
+        script = '"$@" > "$0.log" 2>&1; echo $? > "$0.rc.tmp" && mv "$0.rc.tmp" "$0.rc"'
+        process = subprocess.Popen(["sh", "-c", script, str(run_dir / which), *command], cwd=ROOT, env=env,
+                                   stdin=subprocess.DEVNULL, start_new_session=True)
+        (run_dir / f"{which}.pid").write_text(str(process.pid))
+        _STARTED.append(process)  # reaped when it ends, not warned about as garbage while it runs
+
+
+def _wait_for_export(which: str, timeout_s: float = 1800) -> int:
+    """The export's exit status, once it ended."""
+    import time
+
+    rc_file = _run_dir() / f"{which}.rc"
+    deadline = time.monotonic() + timeout_s
+    while not rc_file.exists():
+        assert time.monotonic() < deadline, f"the {which} export did not end in {timeout_s} s"
+        time.sleep(0.2)
+    return int(rc_file.read_text())
 
 
 def _finished_export(which: str):
@@ -164,22 +209,20 @@ def _finished_export(which: str):
     from types import SimpleNamespace
 
     _start_export(which)
-    out, process = _EXPORTS[which]
-    if which == "small" and _FULL_WHEN_WAITED.is_set() and process.poll() is None:  # type: ignore[attr-defined]
+    run_dir = _run_dir()
+    if which == "small" and _FULL_WHEN_WAITED.is_set() and not (run_dir / "small.rc").exists():
         _start_export("full", threads=1)
-    output, _ = process.communicate(timeout=1800)  # type: ignore[attr-defined]
-    assert process.returncode == 0, output[-3000:]  # type: ignore[attr-defined]
+    returncode = _wait_for_export(which)
+    output = (run_dir / f"{which}.log").read_text()
+    assert returncode == 0, output[-3000:]
+    out = run_dir / which / "artifacts"
     return SimpleNamespace(out=out, manifest=json.loads((out / "manifest.json").read_text()), output=output)
 
 
 @pytest.fixture(scope="session")
 def small_artifacts():
     """Seeded random weights, reduced width: ONNX + TorchScript + manifest."""
-    import shutil
-
-    result = _finished_export("small")
-    yield result
-    shutil.rmtree(result.out.parent, ignore_errors=True)
+    return _finished_export("small")
 
 
 @pytest.fixture(scope="session")
@@ -192,13 +235,9 @@ def small_hift(reduced_config):
 @pytest.fixture(scope="session")
 def full_artifacts():
     """The fixture checkpoint exported at full size (every format: its TorchScript and manifest are tested too)."""
-    import shutil
-
     if not CHECKPOINT.is_file():
         pytest.skip(f"{CHECKPOINT} not found")
-    result = _finished_export("full")
-    yield result
-    shutil.rmtree(result.out.parent, ignore_errors=True)
+    return _finished_export("full")
 
 
 @pytest.fixture(scope="session")
