@@ -160,6 +160,8 @@ def pytest_sessionfinish(session) -> None:
     if not _is_controller(session.config) or _RUN_DIR_ENV not in os.environ:
         return
     for pid_file in _run_dir().glob("*.pid"):
+        if pid_file.with_suffix(".rc").exists():
+            continue  # ended: its group id may belong to another process by now
         try:
             os.killpg(int(pid_file.read_text()), signal.SIGKILL)
         except ProcessLookupError:
