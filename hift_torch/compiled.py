@@ -374,8 +374,9 @@ class CompiledBackend:
         started = time.perf_counter()
         marker = None
         shapes = self.capture_plan(step_sizes)
-        count = self.cudnn_threads or cudnn_threads_for_memory(torch.cuda.mem_get_info(self.device)[0],
-                                                               others_bytes=workers_device_bytes(self, step_sizes))
+        count = self.cudnn_threads or cudnn_threads_for_memory(
+            torch.cuda.mem_get_info(self.device)[0], others_bytes=workers_device_bytes(self, step_sizes),
+            activation_bytes=(self._trunk_dtype or torch.float32).itemsize)
         threads = ChoosingThreads(self.device, shapes if self.cuda_graphs else [], count)
         # (closed, its threads joined, before the switches and the interval they run under are restored)
         with self._lock, self.precision_scope(), switch_interval_at_most(HANDOFF_SWITCH_INTERVAL_S), \

@@ -17,8 +17,9 @@ from hift_runtime.options import MAX_CUDNN_THREADS
 # Torch reads it once, at a process's first convolution that cuDNN's heuristics choose for (ATen's ConvUtils.h): the
 # engine sets it before its own first one, which is in time unless other convolutions ran before in the process.
 HEURISTIC_MODE_B_ENV = "TORCH_CUDNN_USE_HEURISTIC_MODE_B"
-# One choosing thread per this much free device memory (each holds its eager step's activations; BENCHMARKS.md,
-# decision log: a thread held 8.3-9 GiB on an H100).
+# One choosing thread per this much free device memory where the trunk's activations are 2-byte (fp16: each thread
+# holds its eager step's activations; BENCHMARKS.md, decision log: a thread held 8.3-9 GiB on an H100); twice as much
+# where they are 4-byte (tf32, fp32: eight threads and then five ran out of an H100's memory at 9 GiB each).
 CUDNN_THREAD_BYTES = 9 << 30
 
 
@@ -33,11 +34,14 @@ def heuristic_mode_b_asked(value: str) -> bool:
     return value.strip().lower() in ("1", "on", "true", "yes", "y")
 
 
-def cudnn_threads_for_memory(free_bytes: int, at_most: int = MAX_CUDNN_THREADS, others_bytes: int = 0) -> int:
-    """The warmup's choosing threads when none are set: one per :data:`CUDNN_THREAD_BYTES` of the free device memory
-    left once ``others_bytes`` (what compile workers beside the warmup will hold) is kept aside, at least one, at
-    most ``at_most``."""
-    return max(1, min(at_most, (free_bytes - others_bytes) // CUDNN_THREAD_BYTES))
+def cudnn_threads_for_memory(free_bytes: int, at_most: int = MAX_CUDNN_THREADS, others_bytes: int = 0,
+                             activation_bytes: int = 2) -> int:
+    """The warmup's choosing threads when none are set: one per :data:`CUDNN_THREAD_BYTES` (scaled by the trunk's
+    ``activation_bytes`` per element, 2 for fp16, 4 for tf32 and fp32) of the free device memory left once
+    ``others_bytes`` (what compile workers beside the warmup will hold) is kept aside, at least one, at most
+    ``at_most``."""
+    per_thread = CUDNN_THREAD_BYTES * max(activation_bytes, 2) // 2
+    return max(1, min(at_most, (free_bytes - others_bytes) // per_thread))
 
 
 def failed_choices(choosing: list[concurrent.futures.Future], groups: list[list[tuple[str, int, int]]]
