@@ -40,7 +40,7 @@ class OrtOptions:
 class CompiledOptions:
     """The compiled engine's settings: the CUDA device; how many processes a first start compiles its step graphs in,
     side by side (1: in turn, in this process); the threads that choose cuDNN's algorithms at warmup (None: one per
-    9 GiB of free device memory, at most :data:`MAX_CUDNN_THREADS`)."""
+    9 GiB of free device memory at fp16, per 18 GiB at tf32 and fp32, at most :data:`MAX_CUDNN_THREADS`)."""
 
     device_id: int = 0
     compile_processes: int = 5  # of fp16's and tf32's six default graphs (five stream steps, the final) one waits

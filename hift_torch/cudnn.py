@@ -18,8 +18,8 @@ from hift_runtime.options import MAX_CUDNN_THREADS
 # engine sets it before its own first one, which is in time unless other convolutions ran before in the process.
 HEURISTIC_MODE_B_ENV = "TORCH_CUDNN_USE_HEURISTIC_MODE_B"
 # One choosing thread per this much free device memory where the trunk's activations are 2-byte (fp16: each thread
-# holds its eager step's activations; BENCHMARKS.md, decision log: a thread held 8.3-9 GiB on an H100); twice as much
-# where they are 4-byte (tf32, fp32: eight threads and then five ran out of an H100's memory at 9 GiB each).
+# holds its eager step's activations), twice as much where they are 4-byte (tf32, fp32); BENCHMARKS.md, decision log,
+# "room for its trunk's element size".
 CUDNN_THREAD_BYTES = 9 << 30
 
 

@@ -535,7 +535,7 @@ def test_the_choosing_threads_default_to_what_the_device_memory_holds():
     # An H100's free memory while five compile workers start beside the warmup: room is left for them.
     assert cudnn_threads_for_memory(79 << 30, others_bytes=5 * (5 << 30)) == 6
     assert cudnn_threads_for_memory(10 << 30, others_bytes=25 << 30) == 1
-    # tf32 and fp32 steps hold 4-byte activations: half as many threads (an H100's 79 GiB ran out at eight).
+    # tf32 and fp32 steps hold 4-byte activations: half as many threads.
     assert cudnn_threads_for_memory(79 << 30, activation_bytes=4) == 4
     assert cudnn_threads_for_memory(79 << 30, others_bytes=5 * (5 << 30), activation_bytes=4) == 3
     with pytest.raises(ValueError, match="cudnn_threads must be >= 1"):
