@@ -40,7 +40,7 @@ def cudnn_threads_for_memory(free_bytes: int, at_most: int = MAX_CUDNN_THREADS, 
     ``activation_bytes`` per element, 2 for fp16, 4 for tf32 and fp32) of the free device memory left once
     ``others_bytes`` (what compile workers beside the warmup will hold) is kept aside, at least one, at most
     ``at_most``."""
-    per_thread = CUDNN_THREAD_BYTES * max(activation_bytes, 2) // 2
+    per_thread = CUDNN_THREAD_BYTES * activation_bytes // 2
     return max(1, min(at_most, (free_bytes - others_bytes) // per_thread))
 
 
