@@ -242,6 +242,107 @@ def test_an_event_loop_drives_both_lanes_and_keeps_every_stream_exact(small_arti
     assert device.overlaps > 0 and batched.open_streams == 0
 
 
+def test_a_steps_next_f0_call_runs_beside_it_and_every_stream_stays_exact(small_artifacts, alone, monkeypatch):
+    """Over an engine with an F0 lane and ``pair_f0_calls`` on, a push with F0 calls left after a step's F0 hands the
+    next one to the scheduler with that step (``PairedCalls``): the F0 lane runs it beside the step, the push goes on
+    once both have landed. The streams equal their solo runs; a push with a single F0 call pairs nothing."""
+    import hift_runtime.streaming as streaming
+    from hift_runtime.batching import PushScheduler
+    from hift_runtime.engine import PairedCalls
+
+    pairs: list = []
+
+    @dataclasses.dataclass(frozen=True)
+    class Counted(PairedCalls):
+        def __post_init__(self) -> None:
+            pairs.append(self.f0.key)
+
+    monkeypatch.setattr(streaming, "PairedCalls", Counted)
+    batched = open_vocoder(small_artifacts.out, device="cpu", batching=True, max_wait_ms=2)
+    batched.scheduler.close()
+    device = _LaunchingStandIn(batched.backend, delay=0.003, f0_lane=True)
+    batched.scheduler = scheduler = PushScheduler(device, max_batch=256, max_wait_s=0.002,
+                                                  pushes_in_progress=lambda: batched.pushes_in_progress)
+    assert not scheduler.pairs_f0_calls  # off by default while it is measured
+    scheduler.pair_f0_calls = True
+    mels = [random_mel(130, seed=120 + i) for i in range(6)]
+    schedules = [[10, 100, 500], [110, 500], [5, 5, 100, 500], [130, 500], [60, 500], [100, 500]]
+    expected = [run_stream(alone, m, s) for m, s in zip(mels, schedules)]
+    try:
+        got = run_in_threads(lambda i: run_stream(batched, mels[i], schedules[i], 0.003 * i), range(len(mels)))
+        one_call = batched.stream()
+        one_call.push(mels[0][:, :10])  # one step's F0 at most: one F0 call, nothing left to pair
+        before = len(pairs)
+        one_call.push(mels[0][:, 10:20])
+        assert len(pairs) == before
+        one_call.close()
+    finally:
+        batched.close()
+    for g, w in zip(got, expected):
+        assert max_abs(g, w) <= 1e-6  # as above: float32 noise of batched convolutions
+    assert pairs and all(key[0] == "f0" for key in pairs)
+    assert batched.open_streams == 0
+
+
+def test_a_paired_push_goes_on_once_both_calls_landed_and_fails_if_either_failed():
+    """A push's paired calls: its F0 call landing first does not resume it while its step is on the device; an F0
+    call that failed fails the push only once the step beside it has landed too (never while a call of the push is
+    still on the device), with the F0 call's error."""
+    from hift_runtime.batching import PushScheduler
+    from hift_runtime.engine import EngineTraits, PairedCalls, StepCall
+
+    class TwoLanes:
+        name, traits = "two-lanes", EngineTraits(f0_lane=True)
+
+        def __init__(self) -> None:
+            self.gate, self.f0_landed, self.f0_error = threading.Event(), threading.Event(), None
+
+        def f0_step(self, mel, caches):
+            self.f0_landed.set()
+            if self.f0_error is not None:
+                raise self.f0_error
+            return np.full((mel.shape[0], 1), 2.0, np.float32), caches
+
+        def generator_step(self, mel, f0, noise, phase_in, first, caches, final):
+            assert self.gate.wait(10)
+            return np.ones((mel.shape[0], 3), np.float32), phase_in, caches
+
+    def paired():
+        mel = np.zeros((1, 2, 5), np.float32)
+        step = StepCall("generator", (mel, np.zeros((1, 5), np.float32), np.zeros((1, 1), np.int64),
+                                      np.zeros((1, 1), np.float32), np.array([[True]]), None))
+        (audio, _, _), (f0, _) = yield PairedCalls(step, StepCall("f0", (mel, None)))
+        return np.concatenate([audio[0], f0[0]])
+
+    backend = TwoLanes()
+    scheduler = PushScheduler(backend, max_batch=8)
+    try:
+        for f0_error in (None, RuntimeError("F0 call failed (test)")):
+            backend.gate.clear()
+            backend.f0_landed.clear()
+            backend.f0_error = f0_error
+            outcome: list = []
+            def push() -> None:
+                try:
+                    outcome.append(scheduler.run(paired()))
+                except RuntimeError as exc:
+                    outcome.append(exc)
+
+            thread = threading.Thread(target=push)
+            thread.start()
+            assert backend.f0_landed.wait(10)
+            time.sleep(0.05)
+            assert not outcome  # the step is still on the device
+            backend.gate.set()
+            thread.join(10)
+            if f0_error is None:
+                assert outcome[0].tolist() == [1.0, 1.0, 1.0, 2.0]
+            else:
+                assert outcome[0] is f0_error
+    finally:
+        scheduler.close()
+
+
 def test_a_bad_chunk_is_refused_for_its_stream_only(small_artifacts, alone, request):
     batched = open_vocoder(small_artifacts.out, device="cpu", batching=True, max_wait_ms=20)
     request.addfinalizer(batched.close)
