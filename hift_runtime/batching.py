@@ -58,8 +58,8 @@ from typing import Any
 
 import numpy as np
 
-from .engine import (CancelToken, LaunchedStep, PairedCalls, StackedCalls, StepCall, VocoderBackend, launch_stacked,
-                     run_stacked, split_rows, stack_calls)
+from .engine import (CancelToken, LaunchedStep, StackedCalls, StepCall, VocoderBackend, launch_stacked, run_stacked,
+                     split_rows, stack_calls)
 from .errors import PushCancelled, SchedulerClosed
 
 __all__ = ["BatchStats", "PushScheduler", "SchedulerClosed"]
@@ -90,7 +90,7 @@ class BatchStats:
 
 @dataclass(eq=False)
 class _Push:
-    steps: Generator[StepCall | PairedCalls, Any, np.ndarray]
+    steps: Generator[StepCall, Any, np.ndarray]
     handed_over_at: float
     call: StepCall | None = None
     call_ready_at: float = 0.0  # when its current call became ready: the partner wait counts from here
@@ -108,12 +108,6 @@ class _Push:
     result: np.ndarray | None = None
     error: BaseException | None = None
     on_done: Callable[[], None] | None = None  # told once the push settled (from whichever thread settled it)
-    # A push whose steps yielded PairedCalls: its step waits as this push's call, its F0 call as a part of its own
-    # (``owner`` set) in the F0 lane; the push goes on once both have landed (``parts_left`` 0).
-    owner: _Push | None = None
-    parts_left: int = 0
-    part_results: list[Any] | None = None
-    part_error: BaseException | None = None
 
 
 @dataclass(eq=False)
@@ -161,10 +155,6 @@ class PushScheduler:
         # call made here would hold the thread that groups the next pushes; only on an engine that declares it.
         self.inline_lone_calls = backend.traits.inline_lone_calls
         self.inline_quiet_s = 0.02
-        # Where an F0 lane runs F0 calls beside the generator's, a push's next F0 call handed over with the step
-        # before it (PairedCalls): off while it is measured on a GPU (BENCHMARKS.md, "a push's next F0 call beside
-        # its step").
-        self.pair_f0_calls = False
         self._last_settled_at = -math.inf
         self.pushes_in_progress = pushes_in_progress or (lambda: 0)
         self.stats = BatchStats()
@@ -195,12 +185,6 @@ class PushScheduler:
         """The device's timelines it keeps calls in: 2 where the engine runs its F0 calls beside its generator calls
         (``EngineTraits.f0_lane``), else 1."""
         return len(self._lanes)
-
-    @property
-    def pairs_f0_calls(self) -> bool:
-        """Whether a push hands its next F0 call over with the step before it (``pair_f0_calls``, with an F0 lane to
-        run it in)."""
-        return self.pair_f0_calls and len(self._lanes) > 1
 
     def _submit(self, steps: Generator[StepCall, Any, np.ndarray], on_done: Callable[[], None] | None = None,
                 waiter: threading.Event | None = None) -> _Push:
@@ -455,7 +439,7 @@ class PushScheduler:
         for p in arrivals:
             self._send(p, None)
         for p in cancellations:
-            if p.ready_seq >= 0 and not p.wrote_caches and not p.parts_left:  # waiting, undoable, not paired
+            if p.ready_seq >= 0 and not p.wrote_caches:  # waiting for the device, and undoable
                 self._lane_of(p).ready.remove(p)
                 self._send(p, None)  # stops it: cancelled
         for lane in lanes:
@@ -537,7 +521,7 @@ class PushScheduler:
         ready.take(group)
         calls = [p.call for p in group]
         for p in group:
-            (p.owner or p).wrote_caches |= p.call.writes_caches  # type: ignore[union-attr]
+            p.wrote_caches |= p.call.writes_caches  # type: ignore[union-attr]
         if inline and len(group) == 1 and group[0].quiet:
             future: concurrent.futures.Future[tuple[list[Any], float]] = concurrent.futures.Future()
             try:
@@ -592,7 +576,7 @@ class PushScheduler:
             results, busy = flight.future.result()
         except BaseException as exc:  # noqa: BLE001 - raised in every push of this call, and no other
             for p in flight.group:
-                self._deliver(p, None, exc)
+                self._fail(p, exc)
             return
         st = self.stats
         kind_name, mel_frames = flight.group[0].call.key  # type: ignore[union-attr]
@@ -610,31 +594,7 @@ class PushScheduler:
         sizes = st.batch_sizes.setdefault(shape, {})
         sizes[size] = sizes.get(size, 0) + 1
         for p, result in zip(flight.group, results):
-            self._deliver(p, result)
-
-    def _deliver(self, part: _Push, result: Any, error: BaseException | None = None) -> None:
-        """A landed call's result (or error) to its push; a paired push's goes on (or fails) once both calls
-        landed, never while one of them is still on the device."""
-        push = part.owner or part
-        if not push.parts_left:
-            if error is not None:
-                self._fail(push, error)
-            else:
-                self._send(push, result)
-            return
-        push.parts_left -= 1
-        if error is not None:
-            push.part_error = push.part_error or error
-        else:
-            push.part_results[part is not push] = result  # type: ignore[index]
-        if push.parts_left:
-            return
-        results, push.part_results = push.part_results, None
-        error, push.part_error = push.part_error, None
-        if error is not None:
-            self._fail(push, error)
-        else:
-            self._send(push, tuple(results))  # type: ignore[arg-type]
+            self._send(p, result)
 
     def _send(self, push: _Push, value: Any) -> None:
         """Send a call's result into the push; it stops at its next call (ready) or ends. A cancelled push that has
@@ -646,7 +606,7 @@ class PushScheduler:
             self._fail(push, PushCancelled("the push was cancelled; the stream is unchanged"))
             return
         try:
-            call = push.steps.send(value)
+            push.call = push.steps.send(value)
         except StopIteration as stop:
             push.result = stop.value
             self._finish(push)
@@ -654,20 +614,12 @@ class PushScheduler:
             push.error = exc
             self._finish(push)
         else:
-            parts = [push]
-            if isinstance(call, PairedCalls):
-                parts.append(_Push(push.steps, push.handed_over_at, call.f0, owner=push))
-                push.parts_left, push.part_results, call = 2, [None, None], call.step
-            push.call = call
             push.call_ready_at = time.monotonic()
-            ahead = call.audio_ahead_s
+            ahead = push.call.audio_ahead_s
             push.due_at = push.call_ready_at if ahead is None else push.handed_over_at + ahead
-            for part in parts:
-                part.call_ready_at, part.due_at = push.call_ready_at, push.due_at
-                self._lane_of(part).ready.add(part)
+            self._lane_of(push).ready.add(push)
 
     def _fail(self, push: _Push, exc: BaseException, close_steps: bool = True) -> None:
-        push = push.owner or push
         if push.settled:
             return
         if close_steps:  # not from close()'s thread: the loop may still hold the coroutine

@@ -1,5 +1,5 @@
 """The engine interface: what an inference engine declares (:class:`EngineTraits`) and does (:class:`VocoderBackend`),
-and how a push's steps reach it (:class:`StepCall`, :class:`PairedCalls`, :func:`drive`). The bookkeeping (``streaming.py``) and the
+and how a push's steps reach it (:class:`StepCall`, :func:`drive`). The bookkeeping (``streaming.py``) and the
 scheduler (``batching.py``) read an engine only through these."""
 
 from __future__ import annotations
@@ -199,24 +199,7 @@ class StepCall:
         return backend.generator_step(*self.args[:6], self.kind == "final", *self.args[6:])
 
 
-@dataclass(frozen=True)
-class PairedCalls:
-    """Two calls of one push that read nothing of each other: a generator step and the push's next F0 call (its F0
-    for later steps). A scheduler with an F0 lane runs them side by side and sends back both results,
-    ``(step's, F0's)``; run one after the other, they give the same."""
-
-    step: StepCall
-    f0: StepCall
-
-    @property
-    def writes_caches(self) -> bool:
-        return self.step.writes_caches or self.f0.writes_caches
-
-    def run(self, backend: VocoderBackend) -> tuple[Any, Any]:
-        return self.step.run(backend), self.f0.run(backend)
-
-
-def drive(steps: Generator[StepCall | PairedCalls, Any, np.ndarray], backend: VocoderBackend,
+def drive(steps: Generator[StepCall, Any, np.ndarray], backend: VocoderBackend,
           cancel: CancelToken | None = None) -> np.ndarray:
     """Run a push's steps (``VocoderStream``'s coroutine) one call at a time on ``backend``. Cancelled (``cancel``)
     before a call that writes caches ran, it stops with :class:`PushCancelled`; after, it runs to its end."""

@@ -58,7 +58,7 @@ import numpy as np
 
 from .arrays import concat_rows, contiguous_copy
 from .contract import StreamConstants
-from .engine import CancelToken, PairedCalls, StepCall, VocoderBackend, drive, split_steps
+from .engine import CancelToken, StepCall, VocoderBackend, drive, split_steps
 from .errors import OverloadError, PushCancelled, SchedulerClosed, StreamError
 from .mel_input import LOG_MEL_RANGE, validate_mel, validate_mel_range
 from .noise import NoiseTable
@@ -378,8 +378,7 @@ class VocoderStream:
                 return np.zeros(0, np.float32)
             with self._v._pushing():
                 try:
-                    out = await scheduler.arun(self._steps(chunk, final, on_audio, scheduler.pairs_f0_calls),
-                                               on_cancelled=self._push_failed)
+                    out = await scheduler.arun(self._steps(chunk, final, on_audio), on_cancelled=self._push_failed)
                 except asyncio.CancelledError:
                     raise  # told to _push_failed (by arun) once the push settled, unless it completed
                 except BaseException as exc:
@@ -468,7 +467,7 @@ class VocoderStream:
         streams' steps), or straight on its backend. A push that fails after it wrote in-place caches loses the
         stream (those caches are ahead of its bookkeeping)."""
         scheduler = self._v.scheduler
-        steps = self._steps(chunk, final, on_audio, scheduler is not None and scheduler.pairs_f0_calls)
+        steps = self._steps(chunk, final, on_audio)
         try:
             if scheduler is not None:
                 return scheduler.run(steps, cancel)
@@ -533,13 +532,11 @@ class VocoderStream:
         """A step's audio row, without the samples before the utterance on its first step (the audio lags)."""
         return audio[0, self._c.audio_lag * self._c.samples_per_frame if position == 0 else 0:]
 
-    def _steps(self, chunk: np.ndarray, final: bool, on_audio: Callable[[np.ndarray], None] | None = None,
-               pair_f0: bool = False) -> Generator[StepCall | PairedCalls, Any, np.ndarray]:
+    def _steps(self, chunk: np.ndarray, final: bool, on_audio: Callable[[np.ndarray], None] | None = None
+               ) -> Generator[StepCall, Any, np.ndarray]:
         """The push as a coroutine: it yields each backend call it needs (:class:`StepCall`), is sent the call's
         result, and returns the emitted audio. Everything is computed into locals; the stream's state changes only
-        once every call has succeeded (an error thrown in, or the coroutine closed, leaves it as it was).
-        ``pair_f0``: a step with F0 calls still to make after it goes out with the next one (:class:`PairedCalls`),
-        for a scheduler that runs F0 calls beside the generator's; the same calls, in the same order per kind."""
+        once every call has succeeded (an error thrown in, or the coroutine closed, leaves it as it was)."""
         c = self._c
         sizes, f0_sizes, max_step = self._v.step_sizes, self._v.f0_step_sizes, self._max_step
         base = self._position
@@ -582,28 +579,20 @@ class VocoderStream:
         # runs the calls whose listeners' playback runs dry first). None: the audio goes out whole at the end.
         ahead: float | None = None if on_audio is None else 0.0
 
-        def next_f0_call() -> StepCall:
-            """The next planned F0 call (its F0 is taken in by :func:`took_f0`)."""
-            size, at = f0_sizes_left[f0_calls], f0_known - f0_end
-            if self._f0_in_place:
-                self._caches_written = True  # as for the generator's steps (_generator_call)
-            return StepCall("f0", (contiguous_copy(f0_window[None, :, at:at + size + c.f0_look_ahead]), f0_caches),
-                            self._f0_in_place, ahead)
-
-        def took_f0(result: Any, new: list[np.ndarray]) -> None:
-            """The next planned F0 call's result: its F0 (appended to ``new``) and the F0 caches after it."""
-            nonlocal f0_caches, f0_known, f0_calls
-            out, f0_caches = result
-            new.append(out[0])
-            f0_known += f0_sizes_left[f0_calls]
-            f0_calls += 1
-
         def f0_up_to(frame: int) -> Generator[StepCall, Any, None]:
             """The planned F0 calls until F0 is known up to ``frame`` (all of them past ``target``)."""
-            nonlocal f0
-            new: list[np.ndarray] = []
+            nonlocal f0, f0_caches, f0_known, f0_calls
+            new = []
             while f0_known < frame and f0_calls < len(f0_sizes_left):
-                took_f0((yield next_f0_call()), new)
+                size, at = f0_sizes_left[f0_calls], f0_known - f0_end
+                if self._f0_in_place:
+                    self._caches_written = True  # as for the generator's steps (_generator_call)
+                out, f0_caches = yield StepCall(
+                    "f0", (contiguous_copy(f0_window[None, :, at:at + size + c.f0_look_ahead]), f0_caches),
+                    self._f0_in_place, ahead)
+                new.append(out[0])
+                f0_known += size
+                f0_calls += 1
             if new:
                 f0 = concat_rows([f0, *new])
 
@@ -613,18 +602,9 @@ class VocoderStream:
         for size in step_plan:
             yield from f0_up_to(position + size + c.source_look_ahead)
             i = position - base
-            step = self._generator_call(
+            audio, phase, caches = yield self._generator_call(
                 "generator", mel[:, i: i + size + c.mel_look_ahead], f0[i: i + size + c.source_look_ahead],
                 position, size, phase, caches, step_window, ahead)
-            if pair_f0 and f0_calls < len(f0_sizes_left):
-                # The push's next F0 call beside this step (it reads none of its output): the later steps find
-                # their F0 made, where otherwise the push would leave the generator's calls for it between two steps.
-                new: list[np.ndarray] = []
-                (audio, phase, caches), f0_result = yield PairedCalls(step, next_f0_call())
-                took_f0(f0_result, new)
-                f0 = concat_rows([f0, *new])
-            else:
-                audio, phase, caches = yield step
             if step_window is not None:  # the window's padding
                 audio = audio[:, :size * c.samples_per_frame]
             if self._v.phase_mode == "wrapped":
