@@ -19,9 +19,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-# The threads a run has: the load test's own (its main thread in the runs) and the scheduler's; the rest (cuDNN's
-# choosing threads, inductor's) belong to the start.
-RUN_THREADS = ("MainThread (in the runs)", "hift-batch-call", "hift-scheduler")
+# The threads a run has: the load test's own (its main thread in the runs) and the scheduler's (its own thread, each
+# lane's device thread: the generator's, and the F0 lane's where the engine has one); the rest (cuDNN's choosing
+# threads, inductor's) belong to the start.
+RUN_THREADS = ("MainThread (in the runs)", "hift-batch-call", "hift-f0-call", "hift-scheduler")
 # A frame as py-spy writes it: "function (path/file.py:line)".
 FRAME = re.compile(r"^(?P<fn>.*) \((?P<file>[^()]*?)(?::(?P<line>\d+))?\)$")
 
