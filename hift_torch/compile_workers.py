@@ -65,6 +65,15 @@ def worker_command(backend: Any, kind: str, size: int) -> list[str]:
             "--step-window", "on" if backend.step_window_frames else "off", "--shape", f"{kind}:{size}"]
 
 
+def error_line(stderr: str, limit: int = 600) -> str:
+    """A failed process's error, from a traceback's last unindented line (``Type: message``) on, at most ``limit``
+    characters: the head of a long message says what ran out (CUDA's "Tried to allocate ..."), its tail does not."""
+    lines = [line for line in stderr.strip().splitlines() if line.strip()]
+    unindented = [line for line in lines if not line[0].isspace() and not line.startswith("Traceback")]
+    line = (unindented or lines or ["no error output"])[-1]
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
 def compile_side_by_side(commands: dict[str, list[str]], processes: int, say: Callable[[str], None],
                          timeout_s: float = 1800.0, when_compiled: Callable[[str], None] | None = None
                          ) -> dict[str, float | None]:
@@ -82,9 +91,8 @@ def compile_side_by_side(commands: dict[str, list[str]], processes: int, say: Ca
             say(f"warmup: compiling {name} in a process of its own failed ({exc}); the warmup compiles it")
             return None
         if done.returncode != 0:
-            tail = " | ".join(done.stderr.strip().splitlines()[-3:])[-600:]
-            say(f"warmup: compiling {name} in a process of its own failed (exit {done.returncode}: {tail}); "
-                f"the warmup compiles it")
+            say(f"warmup: compiling {name} in a process of its own failed (exit {done.returncode}: "
+                f"{error_line(done.stderr)}); the warmup compiles it")
             return None
         seconds = time.perf_counter() - t0
         say(f"warmup: {name} compiled in a process of its own ({seconds:.0f} s; "

@@ -421,18 +421,23 @@ def test_shared_host_buffers_give_each_graph_its_rows_then_zeros():
 
 
 def test_side_by_side_compiles_report_each_worker_and_survive_a_failed_one():
-    """A first warmup's workers: each one's seconds, None for one that failed (said with its error's end: the warmup
-    then compiles that shape itself)."""
+    """A first warmup's workers: each one's seconds, None for one that failed (said with its error, from the head of
+    a traceback's last line, where CUDA says what it tried to allocate: the warmup then compiles that shape itself)."""
     import sys
 
     from hift_torch.compile_workers import compile_side_by_side
 
+    long_error = ("raise RuntimeError('CUDA out of memory. Tried to allocate 2.00 GiB. ' + "
+                  "'Process 1 has 3.29 GiB memory in use. ' * 40)")
     said: list[str] = []
     seconds = compile_side_by_side({"generator:24": [sys.executable, "-c", "pass"],
-                                    "final:4": [sys.executable, "-c", "import sys; sys.exit('out of memory')"]},
+                                    "final:4": [sys.executable, "-c", "import sys; sys.exit('out of memory')"],
+                                    "generator:8": [sys.executable, "-c", long_error]},
                                    2, said.append)
     assert seconds["generator:24"] is not None and seconds["generator:24"] > 0 and seconds["final:4"] is None
     assert any("final:4" in m and "out of memory" in m and "the warmup compiles it" in m for m in said)
+    long_said = next(m for m in said if "generator:8" in m)
+    assert "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB." in long_said and len(long_said) < 800
 
 
 def test_a_first_warmup_compiles_side_by_side_once(small_artifacts, tmp_path, monkeypatch):
