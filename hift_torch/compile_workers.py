@@ -78,7 +78,7 @@ def compile_side_by_side(commands: dict[str, list[str]], processes: int, say: Ca
                          timeout_s: float = 1800.0, when_compiled: Callable[[str], None] | None = None
                          ) -> dict[str, float | None]:
     """Run each command (a worker) in a process of its own, at most ``processes`` at a time; the seconds each took,
-    None for one that failed (said with the end of its error output: the warmup then compiles that shape itself).
+    None for one that failed (said with its error line, :func:`error_line`: the warmup then compiles that shape itself).
     ``when_compiled(name)`` runs in the calling thread as each worker succeeds, while the others go on (what it
     raises is said, not raised: loading a graph early is an optimisation of the start, not part of it)."""
     started = time.perf_counter()
