@@ -693,6 +693,10 @@ def main() -> None:
                    help="who schedules in-process asyncio runs: thread (the scheduler's own thread, the default) or "
                         "loop (their event loop's thread: PushScheduler.attach_loop). Both, comma-separated "
                         "(thread,loop): each K runs under each, recorded as NAME@sched=loop")
+    p.add_argument("--f0-lane", default=None,
+                   help="the scheduler's use_f0_lane (in-process configs over an engine with an F0 lane): on (the "
+                        "default) or off (F0 calls take their turns between the generator's); both, comma-separated "
+                        "(on,off): each K runs under each, recorded as NAME@f0-lane=on|off")
     p.add_argument("--cudnn-threads", type=int, default=None,
                    help="threads the compiled engine's warmup chooses cuDNN's algorithms in (CompiledOptions.cudnn_threads; "
                         "default: the engine's)")
@@ -762,7 +766,10 @@ def main() -> None:
         p.error("--scheduler loop schedules from the clients' event loop: it needs --clients asyncio")
     # Each K runs under every (switch interval, queue_behind, scheduler) variant, one after the other, on the same
     # open vocoder.
-    variants = [(ms, qb, d) for ms in intervals_ms for qb in queue_behinds for d in drivers]
+    if args.f0_lane and (not set(args.f0_lane.split(",")) <= {"on", "off"} or "served" in args.configs.split(",")):
+        p.error("--f0-lane takes on, off or on,off, for the in-process configs (hift-serve runs the engine's defaults)")
+    f0_lanes = [{"on": True, "off": False}[x] for x in args.f0_lane.split(",")] if args.f0_lane else [None]
+    variants = [(ms, qb, d, lane) for ms in intervals_ms for qb in queue_behinds for d in drivers for lane in f0_lanes]
     if args.served_client_processes > 1 and (args.clients != "asyncio" or "served" not in args.configs.split(",")):
         p.error("--served-client-processes deals the served config's streams to asyncio clients: it needs "
                 "--configs served and --clients asyncio")
@@ -808,23 +815,26 @@ def main() -> None:
             warm_stream_s = round(time.perf_counter() - t1, 2)
         if name != "served":
             tune_garbage_collector()  # as hift-serve does once warm
-        # One record per variant (the same open vocoder): NAME, or NAME@si=MS / @qb=N / @sched=D, joined by commas,
-        # for each axis with several values.
-        def key_of(ms: float | None, qb: int | None, driver: str) -> str:
+        # One record per variant (the same open vocoder): NAME, or NAME@si=MS / @qb=N / @sched=D / @f0-lane=L,
+        # joined by commas, for each axis with several values.
+        def key_of(ms: float | None, qb: int | None, driver: str, lane: bool | None) -> str:
             parts = (([f"si={ms:g}"] if len(intervals_ms) > 1 else []) + ([f"qb={qb}"] if len(queue_behinds) > 1 else [])
+                     + ([f"f0-lane={'on' if lane else 'off'}"] if len(f0_lanes) > 1 else [])
                      + ([f"sched={driver}"] if len(drivers) > 1 else []))
             return f"{name}@{','.join(parts)}" if parts else name
 
         # A served config schedules inside its servers (hift-serve's scheduler thread): no loop-driven variant.
         keys = {v: key_of(*v) for v in variants if name != "served" or v[2] == "thread"}
-        rows_of: dict[tuple[float | None, int | None, str], list[dict[str, Any]]] = {v: [] for v in keys}
+        rows_of: dict[tuple[float | None, int | None, str, bool | None], list[dict[str, Any]]] = {v: [] for v in keys}
         backend = getattr(vocoder, "backend", None)
-        for (ms, qb, driver), key in keys.items():
+        for (ms, qb, driver, lane), key in keys.items():
             result["configs"][key] = {"open_and_warmup_s": ready_s,
                                       "inline_lone_calls": getattr(getattr(vocoder, "scheduler", None),
                                                                    "inline_lone_calls", None),
                                       "warm_stream_s": warm_stream_s, "parity_max_abs_vs_cpu": parity,
                                       "switch_interval_ms": ms, "queue_behind": qb,
+                                      "use_f0_lane": getattr(getattr(vocoder, "scheduler", None), "use_f0_lane",
+                                                             None) if lane is None else lane,
                                       "loop_scheduler": driver == "loop",  # asyncio clients, in process
                                       "traits": (dataclasses.asdict(backend.traits)
                                                  if backend is not None and hasattr(backend, "traits") else None),
@@ -835,21 +845,23 @@ def main() -> None:
                                                     if args.served_client_processes > 1 else "")
                                                  if name == "served" else
                                                  getattr(backend, "name", name)),
-                                      "gpu_memory_after_warmup_mb": gpu_memory_mb(), "runs": rows_of[(ms, qb, driver)],
+                                      "gpu_memory_after_warmup_mb": gpu_memory_mb(), "runs": rows_of[(ms, qb, driver, lane)],
                                       "warmup_seconds_by_shape": getattr(backend, "warmup_seconds", None)}
         client_processes = (ClientProcesses(args.served_client_processes) if name == "served"
                             and args.clients == "asyncio" and args.served_client_processes > 1 else None)
         try:
             for k in [k for k in ks for _ in range(args.repeats)]:
                 ended = 0
-                for (ms, qb, driver), key in keys.items():
+                for (ms, qb, driver, lane), key in keys.items():
                     if ms is not None:
                         sys.setswitchinterval(ms / 1e3)
                     if qb is not None and getattr(vocoder, "scheduler", None) is not None:
                         vocoder.scheduler.queue_behind = qb
+                    if lane is not None and getattr(vocoder, "scheduler", None) is not None:
+                        vocoder.scheduler.use_f0_lane = lane
                     row = run_k(vocoder, k, args.seconds, args.clients, collections, driver == "loop", args.schedule,
                                 client_processes)
-                    rows_of[(ms, qb, driver)].append(row)
+                    rows_of[(ms, qb, driver, lane)].append(row)
                     print(key, json.dumps(row), flush=True)
                     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
                     # A miss does not end the ramp: a batching runtime can keep up better at larger K (bigger

@@ -155,6 +155,10 @@ class PushScheduler:
         # call made here would hold the thread that groups the next pushes; only on an engine that declares it.
         self.inline_lone_calls = backend.traits.inline_lone_calls
         self.inline_quiet_s = 0.02
+        # F0 calls in the F0 lane where the engine has one; off, they take their turns between the generator's calls
+        # (its F0 lane stays empty). A switch while the F0 lane's cost at 24-frame chunks is measured (BENCHMARKS.md,
+        # "tf32 2 048, and the 24-frame schedule again"); set it while no push is in hand.
+        self.use_f0_lane = True
         self._last_settled_at = -math.inf
         self.pushes_in_progress = pushes_in_progress or (lambda: 0)
         self.stats = BatchStats()
@@ -409,9 +413,11 @@ class PushScheduler:
         return min(waits) if waits else None
 
     def _lane_of(self, push: _Push) -> _Lane:
-        """The lane of the push's current call: the F0 lane's, where there is one, for an F0 call."""
+        """The lane of the push's current call: the F0 lane's, where there is one (and ``use_f0_lane``), for an F0
+        call."""
         lanes = self._lanes
-        return lanes[1] if len(lanes) > 1 and push.call.key[0] == "f0" else lanes[0]  # type: ignore[union-attr]
+        beside = len(lanes) > 1 and self.use_f0_lane and push.call.key[0] == "f0"  # type: ignore[union-attr]
+        return lanes[1] if beside else lanes[0]
 
     def _take(self) -> tuple[list[_Push], list[_Push], bool]:
         """(Under ``_cv``.) The arrivals and cancellations so far, handed from the lists others append to, and

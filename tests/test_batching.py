@@ -177,6 +177,27 @@ def test_f0_calls_in_a_lane_of_their_own_run_beside_the_generators_and_keep_ever
     assert batched.open_streams == 0
 
 
+def test_f0_calls_kept_in_the_generator_lane_keep_every_stream_exact(small_artifacts, alone):
+    """``use_f0_lane`` off (a measurement's switch): over an engine with an F0 lane, every call lands in the main
+    lane, F0 calls taking their turns between the generator's; the streams equal their solo runs."""
+    from hift_runtime.batching import PushScheduler
+
+    batched = open_vocoder(small_artifacts.out, device="cpu", batching=True, max_wait_ms=2)
+    batched.scheduler.close()
+    device = _LaunchingStandIn(batched.backend, delay=0.003, f0_lane=True)
+    batched.scheduler = scheduler = PushScheduler(device, max_batch=256, max_wait_s=0.002,
+                                                  pushes_in_progress=lambda: batched.pushes_in_progress)
+    assert scheduler.use_f0_lane and scheduler.lanes == 2
+    scheduler.use_f0_lane = False
+    try:
+        streams_equal_alone(batched, alone, seed=10, n=6)
+    finally:
+        batched.close()
+    stats = scheduler.stats
+    assert stats.by_kind["f0"][0] > 0 and stats.main_lane_busy_s == stats.busy_s  # no call landed in the F0 lane
+    assert batched.open_streams == 0
+
+
 def test_an_idle_generator_lane_holds_a_small_group_while_an_f0_call_is_on_the_device():
     """The generator lane's hold: with every push handed over, a generator group of fewer than
     ``generator_hold_below`` streams waits while an F0 call is on the device, at most ``generator_hold_s`` after its
