@@ -768,7 +768,7 @@ def main() -> None:
     # open vocoder.
     if args.f0_lane and (not set(args.f0_lane.split(",")) <= {"on", "off"} or "served" in args.configs.split(",")):
         p.error("--f0-lane takes on, off or on,off, for the in-process configs (hift-serve runs the engine's defaults)")
-    f0_lanes = [{"on": True, "off": False}[x] for x in args.f0_lane.split(",")] if args.f0_lane else [None]
+    f0_lanes = [x == "on" for x in args.f0_lane.split(",")] if args.f0_lane else [None]
     variants = [(ms, qb, d, lane) for ms in intervals_ms for qb in queue_behinds for d in drivers for lane in f0_lanes]
     if args.served_client_processes > 1 and (args.clients != "asyncio" or "served" not in args.configs.split(",")):
         p.error("--served-client-processes deals the served config's streams to asyncio clients: it needs "
