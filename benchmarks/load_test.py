@@ -700,6 +700,10 @@ def main() -> None:
     p.add_argument("--cudnn-threads", type=int, default=None,
                    help="threads the compiled engine's warmup chooses cuDNN's algorithms in (CompiledOptions.cudnn_threads; "
                         "default: the engine's)")
+    p.add_argument("--compiled-step-sizes", default=None,
+                   help="the compiled engine's generator step sizes, comma-separated, 1 among them (in process; "
+                        "default: the engine's): a measurement of another set before it becomes the default or is "
+                        "dropped")
     p.add_argument("--inline-lone-calls", choices=["on", "off"], default=None,
                    help="the scheduler's inline_lone_calls (in process: a quiet lone push's calls in the scheduling "
                         "thread; default: the engine's, on for the compiled engine's CUDA graphs)")
@@ -773,6 +777,14 @@ def main() -> None:
     if args.served_client_processes > 1 and (args.clients != "asyncio" or "served" not in args.configs.split(",")):
         p.error("--served-client-processes deals the served config's streams to asyncio clients: it needs "
                 "--configs served and --clients asyncio")
+    if args.compiled_step_sizes:
+        if args.engine != "compiled" or "served" in args.configs.split(","):
+            p.error("--compiled-step-sizes is for the compiled engine in process")
+        from hift_torch.compiled import CompiledBackend
+
+        # open_vocoder builds the backend with its default sizes: the measured set replaces that default here.
+        sizes = tuple(int(x) for x in args.compiled_step_sizes.split(","))
+        CompiledBackend.__init__.__kwdefaults__["step_sizes"] = sizes
     if args.cudnn_threads and (args.engine != "compiled" or "served" in args.configs):
         p.error("--cudnn-threads is for the compiled engine in process (hift-serve runs the engine's defaults)")
     for name in args.configs.split(","):
