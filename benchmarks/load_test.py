@@ -694,9 +694,10 @@ def main() -> None:
                         "loop (their event loop's thread: PushScheduler.attach_loop). Both, comma-separated "
                         "(thread,loop): each K runs under each, recorded as NAME@sched=loop")
     p.add_argument("--f0-lane", default=None,
-                   help="the scheduler's use_f0_lane (in-process configs over an engine with an F0 lane): on (the "
-                        "default) or off (F0 calls take their turns between the generator's); both, comma-separated "
-                        "(on,off): each K runs under each, recorded as NAME@f0-lane=on|off")
+                   help="the scheduler's f0_lane_calls (in-process configs over an engine with an F0 lane): on (every "
+                        "F0 call in the lane, the default), long (a long push's only) or off (F0 calls take their "
+                        "turns between the generator's); several, comma-separated (on,long): each K runs under each, "
+                        "recorded as NAME@f0-lane=VALUE")
     p.add_argument("--cudnn-threads", type=int, default=None,
                    help="threads the compiled engine's warmup chooses cuDNN's algorithms in (CompiledOptions.cudnn_threads; "
                         "default: the engine's)")
@@ -770,9 +771,11 @@ def main() -> None:
         p.error("--scheduler loop schedules from the clients' event loop: it needs --clients asyncio")
     # Each K runs under every (switch interval, queue_behind, scheduler) variant, one after the other, on the same
     # open vocoder.
-    if args.f0_lane and (not set(args.f0_lane.split(",")) <= {"on", "off"} or "served" in args.configs.split(",")):
-        p.error("--f0-lane takes on, off or on,off, for the in-process configs (hift-serve runs the engine's defaults)")
-    f0_lanes = [x == "on" for x in args.f0_lane.split(",")] if args.f0_lane else [None]
+    lane_calls = {"on": "all", "long": "long", "off": "none"}
+    if args.f0_lane and (not set(args.f0_lane.split(",")) <= set(lane_calls) or "served" in args.configs.split(",")):
+        p.error("--f0-lane takes on, long, off or several of them, for the in-process configs (hift-serve runs the "
+                "engine's defaults)")
+    f0_lanes = args.f0_lane.split(",") if args.f0_lane else [None]
     variants = [(ms, qb, d, lane) for ms in intervals_ms for qb in queue_behinds for d in drivers for lane in f0_lanes]
     if args.served_client_processes > 1 and (args.clients != "asyncio" or "served" not in args.configs.split(",")):
         p.error("--served-client-processes deals the served config's streams to asyncio clients: it needs "
@@ -829,15 +832,15 @@ def main() -> None:
             tune_garbage_collector()  # as hift-serve does once warm
         # One record per variant (the same open vocoder): NAME, or NAME@si=MS / @qb=N / @sched=D / @f0-lane=L,
         # joined by commas, for each axis with several values.
-        def key_of(ms: float | None, qb: int | None, driver: str, lane: bool | None) -> str:
+        def key_of(ms: float | None, qb: int | None, driver: str, lane: str | None) -> str:
             parts = (([f"si={ms:g}"] if len(intervals_ms) > 1 else []) + ([f"qb={qb}"] if len(queue_behinds) > 1 else [])
-                     + ([f"f0-lane={'on' if lane else 'off'}"] if len(f0_lanes) > 1 else [])
+                     + ([f"f0-lane={lane}"] if len(f0_lanes) > 1 else [])
                      + ([f"sched={driver}"] if len(drivers) > 1 else []))
             return f"{name}@{','.join(parts)}" if parts else name
 
         # A served config schedules inside its servers (hift-serve's scheduler thread): no loop-driven variant.
         keys = {v: key_of(*v) for v in variants if name != "served" or v[2] == "thread"}
-        rows_of: dict[tuple[float | None, int | None, str, bool | None], list[dict[str, Any]]] = {v: [] for v in keys}
+        rows_of: dict[tuple[float | None, int | None, str, str | None], list[dict[str, Any]]] = {v: [] for v in keys}
         backend = getattr(vocoder, "backend", None)
         for (ms, qb, driver, lane), key in keys.items():
             result["configs"][key] = {"open_and_warmup_s": ready_s,
@@ -845,8 +848,9 @@ def main() -> None:
                                                                    "inline_lone_calls", None),
                                       "warm_stream_s": warm_stream_s, "parity_max_abs_vs_cpu": parity,
                                       "switch_interval_ms": ms, "queue_behind": qb,
-                                      "use_f0_lane": getattr(getattr(vocoder, "scheduler", None), "use_f0_lane",
-                                                             None) if lane is None else lane,
+                                      "f0_lane_calls": getattr(getattr(vocoder, "scheduler", None),
+                                                               "f0_lane_calls", None) if lane is None
+                                      else lane_calls[lane],
                                       "loop_scheduler": driver == "loop",  # asyncio clients, in process
                                       "traits": (dataclasses.asdict(backend.traits)
                                                  if backend is not None and hasattr(backend, "traits") else None),
@@ -870,7 +874,7 @@ def main() -> None:
                     if qb is not None and getattr(vocoder, "scheduler", None) is not None:
                         vocoder.scheduler.queue_behind = qb
                     if lane is not None and getattr(vocoder, "scheduler", None) is not None:
-                        vocoder.scheduler.use_f0_lane = lane
+                        vocoder.scheduler.f0_lane_calls = lane_calls[lane]
                     row = run_k(vocoder, k, args.seconds, args.clients, collections, driver == "loop", args.schedule,
                                 client_processes)
                     rows_of[(ms, qb, driver, lane)].append(row)

@@ -150,15 +150,16 @@ class PushScheduler:
         # The F0 lane's landing pushes join a small generator group instead of each taking a turn: a generator call
         # costs mostly its fixed time at small batches (BENCHMARKS.md, "the generator lane's hold").
         self.generator_hold_s, self.generator_hold_below = 0.0015, 32
+        # Which F0 calls go to the F0 lane where the engine has one: "all" (the default), "long" (a long push's only,
+        # StepCall.long_push) or "none" (each takes its turn between the generator's calls). A switch while the lane's
+        # cost at 24-frame chunks is measured (BENCHMARKS.md, "tf32 2 048, and the 24-frame schedule again"); set it
+        # while no push is in hand.
+        self.f0_lane_calls = "all"
         # A quiet lone push's calls made in the scheduling thread itself (the device idle, nothing settled in the
         # last inline_quiet_s): no device-thread hand-offs, two a call (BENCHMARKS.md, "a lone push"). Under load a
         # call made here would hold the thread that groups the next pushes; only on an engine that declares it.
         self.inline_lone_calls = backend.traits.inline_lone_calls
         self.inline_quiet_s = 0.02
-        # F0 calls in the F0 lane where the engine has one; off, they take their turns between the generator's calls
-        # (its F0 lane stays empty). A switch while the F0 lane's cost at 24-frame chunks is measured (BENCHMARKS.md,
-        # "tf32 2 048, and the 24-frame schedule again"); set it while no push is in hand.
-        self.use_f0_lane = True
         self._last_settled_at = -math.inf
         self.pushes_in_progress = pushes_in_progress or (lambda: 0)
         self.stats = BatchStats()
@@ -413,10 +414,11 @@ class PushScheduler:
         return min(waits) if waits else None
 
     def _lane_of(self, push: _Push) -> _Lane:
-        """The lane of the push's current call: the F0 lane's, where there is one (and ``use_f0_lane``), for an F0
-        call."""
-        lanes = self._lanes
-        beside = len(lanes) > 1 and self.use_f0_lane and push.call.key[0] == "f0"  # type: ignore[union-attr]
+        """The lane of the push's current call: the F0 lane's, where there is one, for an F0 call (of a long push
+        only, with ``f0_lane_calls`` "long"; none with "none")."""
+        lanes, call, calls = self._lanes, push.call, self.f0_lane_calls
+        beside = (len(lanes) > 1 and call.kind == "f0"  # type: ignore[union-attr]
+                  and (calls == "all" or calls == "long" and call.long_push))  # type: ignore[union-attr]
         return lanes[1] if beside else lanes[0]
 
     def _take(self) -> tuple[list[_Push], list[_Push], bool]:

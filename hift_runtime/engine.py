@@ -186,6 +186,9 @@ class StepCall:
     # Seconds of audio the push has handed to its listener (on_audio) before this call: its playback can wait that
     # long past the push's arrival. None: a push whose audio goes out whole, at its end.
     audio_ahead_s: float | None = None
+    # A call of a push longer than one step of the largest size (the scheduler's f0_lane_calls "long" sends only
+    # such pushes' F0 calls to the F0 lane: one-step pushes' F0 calls and steps batch in lockstep without it).
+    long_push: bool = False
     # Calls of one key batch together: the kind and the step's mel frames (they fix every input's shape). Computed
     # once: the scheduler compares it over every waiting call each time it forms a group.
     key: tuple[str, int] = field(init=False, repr=False)

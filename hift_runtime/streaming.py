@@ -575,6 +575,7 @@ class VocoderStream:
         if final and f0_sizes_left:
             f0_window = np.concatenate([f0_window, np.zeros((c.in_channels, c.f0_look_ahead), np.float32)], axis=1)
         f0_known, f0_calls = f0_end, 0  # F0 is known for frames [base, f0_known)
+        long_push = limit - position > (one_step or 0)  # (StepCall.long_push)
         # The audio handed to on_audio so far, in seconds: how long the push's later calls can wait (the scheduler
         # runs the calls whose listeners' playback runs dry first). None: the audio goes out whole at the end.
         ahead: float | None = None if on_audio is None else 0.0
@@ -589,7 +590,7 @@ class VocoderStream:
                     self._caches_written = True  # as for the generator's steps (_generator_call)
                 out, f0_caches = yield StepCall(
                     "f0", (contiguous_copy(f0_window[None, :, at:at + size + c.f0_look_ahead]), f0_caches),
-                    self._f0_in_place, ahead)
+                    self._f0_in_place, ahead, long_push)
                 new.append(out[0])
                 f0_known += size
                 f0_calls += 1

@@ -177,25 +177,36 @@ def test_f0_calls_in_a_lane_of_their_own_run_beside_the_generators_and_keep_ever
     assert batched.open_streams == 0
 
 
-def test_f0_calls_kept_in_the_generator_lane_keep_every_stream_exact(small_artifacts, alone):
-    """``use_f0_lane`` off (a measurement's switch): over an engine with an F0 lane, every call lands in the main
-    lane, F0 calls taking their turns between the generator's; the streams equal their solo runs."""
+@pytest.mark.parametrize("calls", ["long", "none"])
+def test_f0_lane_calls_long_or_none_keep_the_other_f0_calls_in_the_main_lane(alone, calls):
+    """``f0_lane_calls`` (a measurement's switch), over an engine with an F0 lane and fixed step sizes: "long" sends
+    the F0 calls of a push longer than one step of the largest size to the F0 lane and keeps a one-step push's in the
+    main lane, between the generator's calls; "none" keeps every call in the main lane. The streams equal their solo
+    runs either way."""
     from hift_runtime.batching import PushScheduler
+    from hift_runtime.streaming import StreamingVocoder
 
-    batched = open_vocoder(small_artifacts.out, device="cpu", batching=True, max_wait_ms=2)
-    batched.scheduler.close()
-    device = _LaunchingStandIn(batched.backend, delay=0.003, f0_lane=True)
-    batched.scheduler = scheduler = PushScheduler(device, max_batch=256, max_wait_s=0.002,
-                                                  pushes_in_progress=lambda: batched.pushes_in_progress)
-    assert scheduler.use_f0_lane and scheduler.lanes == 2
-    scheduler.use_f0_lane = False
-    try:
-        streams_equal_alone(batched, alone, seed=10, n=6)
-    finally:
-        batched.close()
-    stats = scheduler.stats
-    assert stats.by_kind["f0"][0] > 0 and stats.main_lane_busy_s == stats.busy_s  # no call landed in the F0 lane
-    assert batched.open_streams == 0
+    device = _LaunchingStandIn(alone.backend, delay=0.003, f0_lane=True)
+    sizes = (24, 8, 4, 1)
+    reference = StreamingVocoder(alone.backend, alone.constants, step_sizes=sizes)
+    mels = [random_mel(200, seed=70 + i) for i in range(4)]
+    for chunk, in_f0_lane in ((24, False), (100, calls == "long")):
+        vocoder = StreamingVocoder(device, alone.constants, step_sizes=sizes)
+        vocoder.scheduler = scheduler = PushScheduler(device, max_batch=256, max_wait_s=0.002,
+                                                      pushes_in_progress=lambda: vocoder.pushes_in_progress)
+        assert scheduler.f0_lane_calls == "all" and scheduler.lanes == 2
+        scheduler.f0_lane_calls = calls
+        try:
+            results = run_in_threads(lambda i: run_stream(vocoder, mels[i], [chunk] * 10), range(len(mels)))
+        finally:
+            scheduler.close()
+        for mel, result in zip(mels, results):
+            assert max_abs(result, run_stream(reference, mel, [chunk] * 10)) <= 1e-6  # batched float32 noise
+        stats = scheduler.stats
+        assert stats.by_kind["f0"][0] > 0
+        # The main lane's time is every call's, unless some F0 call ran in the F0 lane.
+        assert (stats.main_lane_busy_s < stats.busy_s) == in_f0_lane, chunk
+        assert vocoder.open_streams == 0
 
 
 def test_an_idle_generator_lane_holds_a_small_group_while_an_f0_call_is_on_the_device():
